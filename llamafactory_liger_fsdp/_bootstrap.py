@@ -1,0 +1,93 @@
+"""Import-time registration of the plugin.
+
+``llamafactory_liger_fsdp.pth`` (installed at the top of site-packages by ``pip install .`` and
+``pip install -e .``) imports this module in *every* Python process of the environment: the
+``llamafactory-cli`` parent, the torchrun workers it starts with ``FORCE_TORCHRUN=1`` and
+``accelerate launch`` workers. So this module must stay cheap and must never break start-up:
+it imports nothing heavy (no torch) and only puts a finder on ``sys.meta_path``.
+
+The finder waits for the two LLaMA-Factory modules that the plugin hooks, and right after
+each one has executed (and *before* any ``from .loader import load_model`` elsewhere binds the
+name) hands it to :func:`llamafactory_liger_fsdp.integration.on_module_loaded`, which patches it.
+Nothing is patched in a process that never imports LLaMA-Factory.
+
+Set ``LLAMAFACTORY_LIGER_FSDP_DISABLE=1`` to turn the hook off.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+DISABLE_ENV = "LLAMAFACTORY_LIGER_FSDP_DISABLE"
+
+# LLaMA-Factory modules the plugin hooks, patched right after they execute.
+HOOKED_MODULES = ("llamafactory.hparams.parser", "llamafactory.model.loader")
+
+#: True once the finder is on ``sys.meta_path`` in this process (read by ``doctor``).
+ACTIVE = False
+
+
+def _disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Delegates to the real loader, then lets the integration patch the fresh module."""
+
+    def __init__(self, inner: importlib.abc.Loader):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._inner.exec_module(module)
+        from llamafactory_liger_fsdp import integration
+
+        integration.on_module_loaded(module.__name__, module)
+
+    def __getattr__(self, name):  # get_source, get_code, is_package, ...
+        return getattr(self._inner, name)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in HOOKED_MODULES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+def install() -> bool:
+    """Put the finder on ``sys.meta_path`` (idempotent). Returns whether the hook is active."""
+    global ACTIVE
+    if _disabled():
+        return False
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+    ACTIVE = True
+    # Modules already imported before the hook (rare: an interactive session that imported the
+    # plugin late) are patched now.
+    already = [name for name in HOOKED_MODULES if name in sys.modules]
+    if already:
+        from llamafactory_liger_fsdp import integration
+
+        for name in already:
+            integration.on_module_loaded(name, sys.modules[name])
+    return True
+
+
+try:
+    install()
+except Exception as exc:  # never break interpreter start-up
+    print(f"[liger_fsdp] import hook not installed: {exc!r}", file=sys.stderr)

@@ -1,0 +1,100 @@
+"""A tiny registry of the third-party attributes the plugin replaces, so each one is guarded,
+recorded, logged once and undone cleanly (:func:`undo_all`)."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ._log import info_rank0
+
+MARK = "__liger_fsdp_patch__"
+
+
+@dataclass
+class Patch:
+    owner: Any
+    name: str
+    original: Any
+    replacement: Any
+    why: str
+
+    @property
+    def where(self) -> str:
+        owner = getattr(self.owner, "__name__", type(self.owner).__name__)
+        module = getattr(self.owner, "__module__", None)
+        prefix = f"{module}." if module and not inspect.ismodule(self.owner) else ""
+        return f"{prefix}{owner}.{self.name}"
+
+
+_APPLIED: list[Patch] = []
+_LOGGED = False
+
+
+class PatchError(RuntimeError):
+    """A patch point is missing or has an unexpected signature in the installed version."""
+
+
+def require_params(fn: Any, names: tuple[str, ...], where: str) -> None:
+    """Guard: ``fn`` must accept ``names`` (version-tolerant: extra parameters are fine)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError) as exc:
+        raise PatchError(f"cannot inspect {where}: {exc}") from exc
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise PatchError(f"{where} has no parameter(s) {missing}; this version is not supported")
+
+
+def is_patched(owner: Any, name: str) -> bool:
+    return getattr(getattr(owner, name, None), MARK, False)
+
+
+def apply(owner: Any, name: str, make: Callable[[Any], Any], why: str) -> Patch | None:
+    """Replace ``owner.name`` by ``make(original)``; a no-op if it is already ours."""
+    original = getattr(owner, name, None)
+    if original is None:
+        raise PatchError(f"{getattr(owner, '__name__', owner)}.{name} not found; this version is not supported")
+    if getattr(original, MARK, False):
+        return None
+    replacement = make(original)
+    setattr(replacement, MARK, True)
+    setattr(replacement, "__wrapped__", original)
+    setattr(owner, name, replacement)
+    patch = Patch(owner, name, original, replacement, why)
+    _APPLIED.append(patch)
+    if _LOGGED:
+        info_rank0(f"[liger_fsdp] patched {patch.where}: {why}")
+    return patch
+
+
+def rebind(module: Any, name: str, old: Any, new: Any, why: str) -> None:
+    """Re-point a name that another module imported by value (``from x import f``)."""
+    if getattr(module, name, None) is old:
+        setattr(module, name, new)
+        _APPLIED.append(Patch(module, name, old, new, why))
+
+
+def applied() -> list[Patch]:
+    return list(_APPLIED)
+
+
+def log_once() -> None:
+    """Log (rank 0, once per process) every patch in place and why."""
+    global _LOGGED
+    if _LOGGED:
+        return
+    _LOGGED = True
+    for patch in _APPLIED:
+        info_rank0(f"[liger_fsdp] patched {patch.where}: {patch.why}")
+
+
+def undo_all() -> None:
+    """Restore every patched attribute, newest first."""
+    global _LOGGED
+    while _APPLIED:
+        patch = _APPLIED.pop()
+        if getattr(patch.owner, patch.name, None) is patch.replacement:
+            setattr(patch.owner, patch.name, patch.original)
+    _LOGGED = False

@@ -1,0 +1,77 @@
+"""Real 2-process sharding (gloo, CPU): FSDP1 (use_orig_params True/False, PEFT's wrap policy),
+FSDP2 (fully_shard) and DDP, against the unsharded single-process unfused reference (fp32).
+
+One worker job per mode runs every case (tests/fsdp_worker.py); each test checks one case."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAMILIES = ["llama", "qwen2", "qwen2_tied"]
+HEADS = ["mts", "lora", "full"]
+CASES = [f"{f}:{h}" for f in FAMILIES for h in HEADS]
+MODES = ["fsdp1_flat", "fsdp1_orig", "fsdp2", "ddp"]
+DDP_CASES = ["llama:mts", "qwen2:lora", "qwen2_tied:full"]
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    cache = {}
+
+    def get(mode):
+        if mode not in cache:
+            out = tmp_path_factory.mktemp(mode) / "out.json"
+            cases = DDP_CASES if mode == "ddp" else CASES
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            proc = subprocess.run(
+                [sys.executable, os.path.join(HERE, "fsdp_worker.py"), mode, str(out), *cases],
+                capture_output=True, text=True, timeout=900, env=env,
+            )
+            assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+            ranks = json.loads(out.read_text())
+            cache[mode] = None, ranks
+        return cache[mode]
+
+    return get
+
+
+def _check(result, mode, case):
+    assert "error" not in result, result["error"]
+    assert result["loss_rel"] <= TOL, result
+    bad = {n: r for n, r in result["grad_rels"].items() if not r <= TOL}
+    assert not bad, f"gradients differ from the unsharded reference: {bad}"
+    assert result["param_rels_after"] <= TOL, result
+    assert result["moved"] > 1e-3, "training did not move the weights; the comparison would be vacuous"
+    proof = result["proof"]
+    tied_full = case == "qwen2_tied:full"
+    if mode.startswith("fsdp1"):
+        assert proof["fsdp"] == "FSDP1"
+        assert proof["local_numel"] * 2 <= proof["full_numel"] + 2, f"the head is not sharded: {proof}"
+        assert proof["head_units"] == (0 if tied_full else 1), proof
+    elif mode == "fsdp2":
+        assert proof["fsdp"] == "FSDP2" and proof["dtensor"], proof
+        assert proof["local_rows"] * 2 == proof["full_rows"], f"the head is not sharded: {proof}"
+        assert proof["head_units"] == (0 if tied_full else 1), proof
+    else:
+        assert proof["ddp"] == "DistributedDataParallel"
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("mode", ["fsdp1_flat", "fsdp1_orig", "fsdp2"])
+def test_sharded_parity(results, mode, case):
+    by_case, ranks = results(mode)
+    for rank_results in ranks:  # every rank, not only rank 0
+        _check({r["case"]: r for r in rank_results}[case], mode, case)
+
+
+@pytest.mark.parametrize("case", DDP_CASES)
+def test_ddp_parity(results, case):
+    by_case, ranks = results("ddp")
+    for rank_results in ranks:
+        _check({r["case"]: r for r in rank_results}[case], "ddp", case)
