@@ -7,8 +7,22 @@ import os
 import sys
 
 logger = logging.getLogger("llamafactory_liger_fsdp")
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at emit time (test capture, redirected logs)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 if not logger.handlers:
-    _handler = logging.StreamHandler(sys.stderr)
+    _handler = _StderrHandler()
     _handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(_handler)
     logger.setLevel(logging.INFO)

@@ -91,10 +91,16 @@ def log_once() -> None:
 
 
 def undo_all() -> None:
-    """Restore every patched attribute, newest first."""
+    """Restore every patched attribute, newest first, and every module-level name that was bound
+    to a replacement by ``from x import f`` after the patch (e.g. ``llamafactory.model.load_model``)."""
+    import sys
+
     global _LOGGED
     while _APPLIED:
         patch = _APPLIED.pop()
         if getattr(patch.owner, patch.name, None) is patch.replacement:
             setattr(patch.owner, patch.name, patch.original)
+        for module in list(sys.modules.values()):
+            if getattr(module, "__dict__", {}).get(patch.name) is patch.replacement:
+                setattr(module, patch.name, patch.original)
     _LOGGED = False

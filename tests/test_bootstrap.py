@@ -1,0 +1,56 @@
+"""Registration: the .pth hook is active in every fresh interpreter of the environment, costs no
+torch import, patches LLaMA-Factory as it loads (re-exports included) and can be turned off."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _py(code, **env):
+    e = dict(os.environ)
+    e.update(env)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_hook_active_without_torch():
+    out = _py("import sys, llamafactory_liger_fsdp._bootstrap as b; print(b.ACTIVE, 'torch' in sys.modules)")
+    assert out == "True False"
+
+
+def test_loader_and_reexports_patched():
+    code = (
+        "import llamafactory.model as m, llamafactory.model.loader as l, llamafactory.train.sft.workflow as w, "
+        "llamafactory.hparams.parser as p\n"
+        "ok = all(getattr(f, '__liger_fsdp_patch__', False) for f in (m.load_model, l.load_model, w.load_model, p._parse_args))\n"
+        "print(ok, m.load_model is w.load_model is l.load_model)"
+    )
+    assert _py(code) == "True True"
+
+
+def test_disable_env():
+    code = (
+        "import llamafactory.model.loader as l, llamafactory_liger_fsdp._bootstrap as b\n"
+        "print(b.ACTIVE, getattr(l.load_model, '__liger_fsdp_patch__', False))"
+    )
+    assert _py(code, LLAMAFACTORY_LIGER_FSDP_DISABLE="1") == "False False"
+
+
+def test_unpatch_restores():
+    code = (
+        "import llamafactory.model.loader as l, llamafactory.model as m\n"
+        "from llamafactory_liger_fsdp import integration\n"
+        "integration.unpatch()\n"
+        "print(getattr(l.load_model, '__liger_fsdp_patch__', False), getattr(m.load_model, '__liger_fsdp_patch__', False))"
+    )
+    assert _py(code) == "False False"
+
+
+def test_pth_installed():
+    import site
+
+    dirs = site.getsitepackages() + [site.getusersitepackages()]
+    assert any(os.path.exists(os.path.join(d, "llamafactory_liger_fsdp.pth")) for d in dirs)

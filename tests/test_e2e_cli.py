@@ -1,0 +1,81 @@
+"""Real `llamafactory-cli train` runs on a tiny local model, tokenizer and dataset (CPU).
+
+2 ranks with FORCE_TORCHRUN=1 under FSDP2 and FSDP1 (accelerate forced to FSDP on CPU by the
+test-only shim in tests/cpu_fsdp_shim; the plugin's own engaged line proves the model was
+sharded), and one process for LoRA on the head. With `liger_fsdp: true` the per-step losses equal
+those of the same run without the flag."""
+
+import re
+
+import pytest
+
+from e2e_assets import FSDP1, FSDP2, base_yaml, build, run_cli
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("assets"))
+
+
+@pytest.fixture(scope="module")
+def fsdp2_plain(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "fsdp2_plain"
+    rc, log, losses = run_cli(base_yaml(assets, out, **FSDP2), nproc=2)
+    assert rc == 0, log[-6000:]
+    assert "[cpu_fsdp_shim] forced DistributedType.FSDP (fsdp_version=2)" in log
+    assert "[liger_fsdp]" not in log  # the plugin is silent without the flag
+    return losses
+
+
+def _assert_same(losses, ref):
+    assert len(losses) == len(ref) == 6
+    for a, b in zip(losses, ref):
+        assert abs(a - b) <= TOL * abs(b), (losses, ref)
+
+
+def test_fsdp2_two_ranks(assets, tmp_path, fsdp2_plain):
+    out = tmp_path / "fsdp2_liger"
+    rc, log, losses = run_cli(base_yaml(assets, out, liger_fsdp=True, **FSDP2), nproc=2)
+    assert rc == 0, log[-6000:]
+    engaged = [l for l in log.splitlines() if "[liger_fsdp] engaged" in l]
+    assert len(engaged) == 1, engaged  # rank 0 only, once
+    assert re.search(
+        r"\[liger_fsdp\] engaged: head=modules_to_save \(lm_head\), fsdp=FSDP2, backend=torch, model=llama; "
+        r"loss computed through 1 FSDP unit\(s\)", engaged[0]
+    ), engaged[0]
+    _assert_same(losses, fsdp2_plain)
+    from safetensors import safe_open
+
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        head_w = f.get_tensor("base_model.model.lm_head.weight")
+    assert "base_model.model.model.embed_tokens.weight" in keys
+    assert any("lora_A" in k for k in keys) and any("lora_B" in k for k in keys)
+    assert tuple(head_w.shape) == (384, 64)  # the full head, not a shard
+
+
+def test_fsdp1_two_ranks(assets, tmp_path, fsdp2_plain):
+    out = tmp_path / "fsdp1_liger"
+    rc, log, losses = run_cli(base_yaml(assets, out, liger_fsdp=True, **FSDP1), nproc=2, fsdp1=True)
+    assert rc == 0, log[-6000:]
+    assert "[cpu_fsdp_shim] forced DistributedType.FSDP (fsdp_version=1)" in log
+    assert re.search(r"\[liger_fsdp\] engaged: head=modules_to_save \(lm_head\), fsdp=FSDP1, .*through 1 FSDP unit", log)
+    _assert_same(losses, fsdp2_plain)  # same math as the unfused FSDP2 run
+
+
+def test_lora_on_head_one_process(assets, tmp_path):
+    cfg = dict(lora_target="q_proj,v_proj,lm_head", additional_target=None)
+    rc, log, ref = run_cli(base_yaml(assets, tmp_path / "plain", **cfg))
+    assert rc == 0, log[-6000:]
+    rc, log, losses = run_cli(base_yaml(assets, tmp_path / "liger", liger_fsdp=True, **cfg))
+    assert rc == 0, log[-6000:]
+    assert "[liger_fsdp] engaged: head=lora (lm_head), fsdp=none" in log
+    _assert_same(losses, ref)
+
+
+def test_frozen_head_says_why(assets, tmp_path):
+    rc, log, _ = run_cli(base_yaml(assets, tmp_path / "frozen", liger_fsdp=True, additional_target=None, max_steps=1))
+    assert rc == 0, log[-6000:]
+    assert "[liger_fsdp] not engaged: lm_head is frozen" in log

@@ -1,0 +1,160 @@
+"""One device: loss and every trainable gradient of the engaged model equal the unfused model's,
+for every supported family and head kind, with softcap, MoE aux loss, LoRA dropout and gradient
+accumulation (``num_items_in_batch``)."""
+
+import pytest
+import torch
+
+from llamafactory_liger_fsdp import head
+from tiny import FAMILY_CONFIGS, make_batch, rel, twin
+
+TOL = 1e-5
+
+
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _compare(ref, cand, atol_rel=TOL):
+    gr, gc = _grads(ref), _grads(cand)
+    assert gr.keys() == gc.keys()
+    for n in gr:
+        assert gr[n] is not None and gc[n] is not None, n
+        assert rel(gc[n], gr[n]) <= atol_rel, (n, rel(gc[n], gr[n]))
+
+
+@pytest.mark.parametrize("kind", ["mts", "lora", "full"])
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_family_parity(family, kind):
+    ref, cand = twin(family, kind)
+    ref.train(), cand.train()
+    plan = head.engage(cand, backend="torch")
+    assert plan is not None and plan.kind == {"mts": "modules_to_save", "lora": "lora", "full": "full"}[kind]
+    batch = make_batch()
+    out_ref = ref(**batch)
+    out = cand(**batch)
+    assert out.logits is None  # the N x V logits never exist
+    assert abs(out.loss.item() - out_ref.loss.item()) <= TOL * abs(out_ref.loss.item())
+    out_ref.loss.backward()
+    out.loss.backward()
+    _compare(ref, cand)
+
+
+def test_softcap_is_applied():
+    ref, cand = twin("gemma2", "full")
+    head.engage(cand, backend="torch")
+    assert head.plan_of(cand).softcap == 3.0
+    batch = make_batch()
+    uncapped = head.plan_of(cand)
+    uncapped.softcap = None
+    assert abs(cand(**batch).loss.item() - ref(**batch).loss.item()) > 1e-3  # softcap matters here
+    uncapped.softcap = 3.0
+    assert abs(cand(**batch).loss.item() - ref(**batch).loss.item()) <= TOL * ref(**batch).loss.item()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_aux_loss_included(family):
+    ref, cand = twin(family, "mts")
+    head.engage(cand, backend="torch")
+    batch = make_batch()
+    out, out_ref = cand(**batch), ref(**batch)
+    assert out.aux_loss is not None and out.aux_loss.item() > 0
+    assert abs(out.aux_loss.item() - out_ref.aux_loss.item()) <= 1e-6
+    lm_only = out.loss.item() - cand.base_model.model.router_aux_loss_coef * out.aux_loss.item()
+    assert abs(lm_only - out_ref.loss.item()) > 1e-4  # the aux term is really part of the loss
+    assert abs(out.loss.item() - out_ref.loss.item()) <= TOL * out_ref.loss.item()
+
+
+def test_lora_head_delta_enters_loss():
+    """The silent bug: a loss that reads lm_head.weight ignores the LoRA delta; ours does not."""
+    ref, cand = twin("llama", "lora")
+    plan = head.engage(cand, backend="torch")
+    batch = make_batch()
+    loss = cand(**batch).loss
+    loss.backward()
+    lm = cand.base_model.model.lm_head
+    base_only = torch.nn.functional.cross_entropy(
+        (ref.base_model.model.model(input_ids=batch["input_ids"]).last_hidden_state @ lm.base_layer.weight.t())[:, :-1]
+        .reshape(-1, lm.base_layer.weight.shape[0]),
+        batch["labels"][:, 1:].reshape(-1),
+    )
+    assert abs(base_only.item() - loss.item()) > 1e-3
+    assert abs(loss.item() - ref(**batch).loss.item()) <= TOL * loss.item()
+    for name in ("lora_A", "lora_B"):
+        g = getattr(lm, name)[plan.lora_a_path.rsplit(".", 1)[1]].weight.grad
+        assert g is not None and g.abs().sum() > 0
+
+
+def test_lora_dropout_same_mask():
+    ref, cand = twin("qwen2", "lora", dropout=0.3)
+    head.engage(cand, backend="torch")
+    batch = make_batch()
+    torch.manual_seed(7)
+    lr = ref(**batch).loss
+    torch.manual_seed(7)
+    lc = cand(**batch).loss
+    lr.backward(), lc.backward()
+    assert abs(lr.item() - lc.item()) <= TOL * lr.item()
+    _compare(ref, cand)
+
+
+@pytest.mark.parametrize("kind", ["mts", "lora"])
+def test_gradient_accumulation_num_items_in_batch(kind):
+    """Two micro-batches normalised by the total token count, as transformers' Trainer does."""
+    ref, cand = twin("llama", kind)
+    head.engage(cand, backend="torch")
+    micro = [make_batch(seed=1, ignore_frac=0.1), make_batch(seed=2, ignore_frac=0.6)]
+    num_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+    n_t = torch.tensor(num_items)
+    total_ref = total = 0.0
+    for b in micro:
+        lr_ = ref(**b, num_items_in_batch=n_t).loss
+        lc_ = cand(**b, num_items_in_batch=n_t).loss
+        assert abs(lr_.item() - lc_.item()) <= TOL * abs(lr_.item())
+        lr_.backward(), lc_.backward()
+        total_ref += lr_.item()
+        total += lc_.item()
+    # a mean per micro-batch would differ: the two micro-batches have very different token counts
+    mean_ref = sum(twin("llama", kind)[0](**b).loss.item() for b in micro) / 2
+    assert abs(mean_ref - total_ref) > 1e-3
+    assert abs(total - total_ref) <= TOL * total_ref
+    _compare(ref, cand)
+
+
+def test_eval_mode_returns_logits():
+    ref, cand = twin("llama", "mts")
+    head.engage(cand, backend="torch")
+    cand.eval(), ref.eval()
+    batch = make_batch()
+    with torch.no_grad():
+        out, out_ref = cand(**batch), ref(**batch)
+    assert out.logits is not None and torch.allclose(out.logits, out_ref.logits)
+
+
+def test_bf16_within_rounding():
+    ref, cand = twin("qwen2", "mts")
+    ref.to(torch.bfloat16), cand.to(torch.bfloat16)
+    head.engage(cand, backend="torch")
+    batch = make_batch(batch=4, seq=32)
+    lr, lc = ref(**batch).loss, cand(**batch).loss
+    lr.backward(), lc.backward()
+    assert abs(lr.item() - lc.item()) <= 1e-2 * lr.item()
+    _compare(ref, cand, atol_rel=2e-2)
+
+
+def test_frozen_head_does_not_engage(capsys):
+    from tiny import make_model
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(make_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert head.engage(model, backend="torch") is None
+    assert "[liger_fsdp] not engaged: lm_head is frozen" in capsys.readouterr().err
+
+
+def test_disengage_restores_forward():
+    ref, cand = twin("llama", "full")
+    plan = head.engage(cand, backend="torch")
+    assert "forward" in cand.__dict__
+    head.disengage(cand)
+    assert "forward" not in cand.__dict__ and head.plan_of(cand) is None
+    assert cand(**make_batch()).logits is not None
