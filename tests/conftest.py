@@ -7,3 +7,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The Triton kernel runs on CPU tensors under the interpreter (must be set before triton is imported).
+if os.environ.get("LLF_LIGER_FSDP_TEST_GPU") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -32,12 +32,12 @@ WORDS = (
 ).split()
 
 
-def make_rows(n: int = 64, seed: int = 0) -> list[dict]:
+def make_rows(n: int = 64, seed: int = 0, answer_words: tuple[int, int] = (6, 24)) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for i in range(n):
         q = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10)))
-        a = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 24)))
+        a = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*answer_words)))
         rows.append({"instruction": f"Question {i}: {q}?", "input": "", "output": a.capitalize() + "."})
     return rows
 
@@ -94,17 +94,21 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--model-type", default="llama")
     ap.add_argument("--tied", action="store_true")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--answer-words", type=int, nargs=2, default=(6, 24))
+    ap.add_argument("--no-model", action="store_true", help="tokenizer and data only")
     args = ap.parse_args()
     os.makedirs(os.path.join(args.out, "data"), exist_ok=True)
-    rows = make_rows()
+    rows = make_rows(args.rows, answer_words=tuple(args.answer_words))
     with open(os.path.join(args.out, "data", "tiny_alpaca.json"), "w") as f:
         json.dump(rows, f, indent=1)
     with open(os.path.join(args.out, "data", "dataset_info.json"), "w") as f:
         json.dump({"tiny_alpaca": {"file_name": "tiny_alpaca.json"}}, f, indent=1)
-    texts = [r["instruction"] + " " + r["output"] for r in rows] * 4
+    texts = [r["instruction"] + " " + r["output"] for r in rows[:64]] * 4
     model_dir = os.path.join(args.out, "model")
     tokenizer = make_tokenizer(texts, model_dir)
-    make_model(model_dir, tokenizer, args.model_type, args.tied)
+    if not args.no_model:
+        make_model(model_dir, tokenizer, args.model_type, args.tied)
     print(f"assets written to {args.out}")
 
 

@@ -1,0 +1,117 @@
+"""Real-size LLaMA-Factory SFT on one GPU: LoRA + embed_tokens/lm_head, FSDP2 at world size 1, bf16,
+16k tokens a step (packing), on models with real heads (Llama-3-8B and Qwen2.5-7B configs reduced to
+a few layers, random weights). Variants: plain loss, `liger_fsdp: true`, and Liger
+(`enable_liger_kernel: true`, its own fused loss). Reports tokens/s and peak GPU memory.
+
+    python bench/real_size_sft.py --out bench/results/h200_sft.json [--layers 2] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODELS = {
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, layer="LlamaDecoderLayer"),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0, layer="Qwen2DecoderLayer"),
+}
+VARIANTS = {"plain": {}, "liger_fsdp": {"liger_fsdp": True}, "liger": {"enable_liger_kernel": True}}
+
+
+def build(work, name, spec, layers):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    mdir = os.path.join(work, name)
+    if os.path.exists(os.path.join(mdir, "model", "config.json")):
+        return mdir
+    subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "tiny_cpu", "make_assets.py"), mdir, "--no-model",
+                    "--rows", "400", "--answer-words", "300", "500"], check=True)
+    tok = AutoTokenizer.from_pretrained(os.path.join(mdir, "model"))
+    kw = {k: v for k, v in spec.items() if k not in ("model_type", "layer")}
+    config = AutoConfig.for_model(spec["model_type"], num_hidden_layers=layers, max_position_embeddings=32768,
+                                  tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id, **kw)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(os.path.join(mdir, "model"))
+    del model
+    torch.cuda.empty_cache()
+    return mdir
+
+
+def run(mdir, spec, variant, steps, work):
+    out = os.path.join(work, f"{os.path.basename(mdir)}_{variant}")
+    cfg = dict(
+        model_name_or_path=os.path.join(mdir, "model"), stage="sft", do_train=True, finetuning_type="lora",
+        lora_target="all", lora_rank=16, additional_target="embed_tokens,lm_head", dataset="tiny_alpaca",
+        dataset_dir=os.path.join(mdir, "data"), template="llama3", cutoff_len=16384, packing=True,
+        overwrite_cache=True, preprocessing_num_workers=4, output_dir=out, logging_steps=1, save_strategy="no",
+        per_device_train_batch_size=1, gradient_accumulation_steps=1, learning_rate=1e-4, max_steps=steps,
+        lr_scheduler_type="constant", bf16=True, include_num_input_tokens_seen=True, report_to="none", seed=0, flash_attn="sdpa",
+        fsdp="full_shard auto_wrap", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": spec["layer"]},
+        **VARIANTS[variant],
+    )
+    import yaml
+
+    os.makedirs(out, exist_ok=True)
+    path = out + ".yaml"
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    res_path = out + ".json"
+    env = dict(os.environ, FSDP_STATE_DICT_TYPE="FULL_STATE_DICT", DISABLE_VERSION_CHECK="1")
+    proc = subprocess.run(["torchrun", "--nproc_per_node", "1", os.path.join(ROOT, "bench", "lf_bench_launch.py"), path, res_path],
+                          capture_output=True, text=True, env=env, timeout=900)
+    log = proc.stdout + proc.stderr
+    row = {"model": os.path.basename(mdir), "variant": variant, "rc": proc.returncode,
+           "engaged": next((l.strip() for l in log.splitlines() if "[liger_fsdp] engaged" in l), None)}
+    if proc.returncode != 0 or not os.path.exists(res_path):
+        errs = [l for l in log.splitlines() if "Error" in l or "error:" in l]
+        row["error"] = (errs[-1] if errs else log[-600:])[:400]
+        return row
+    res = json.load(open(res_path))
+    steps = res["steps"]
+    times = [s["s"] for s in steps[1:]] or [s["s"] for s in steps]
+    seen = [s["tokens_seen"] for s in steps]
+    per_step = (seen[-1] - seen[0]) / max(len(seen) - 1, 1) if seen[-1] else 16384
+    row.update(tokens_per_step=per_step, step_s=statistics.median(times), tokens_per_s=per_step / statistics.median(times),
+               peak_gib=max(s["peak_mib"] for s in res["steps"]) / 1024, losses=res["losses"])
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "h200_sft.json"))
+    ap.add_argument("--work", default="/tmp/real_size")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    rows = []
+    for name in args.models.split(","):
+        mdir = build(args.work, name, MODELS[name], args.layers)
+        for variant in args.variants.split(","):
+            row = run(mdir, MODELS[name], variant, args.steps, args.work)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"\n{'model':12s} {'variant':11s} {'tokens/s':>9s} {'peak GiB':>9s}  note")
+    for r in rows:
+        note = r.get("error", "")[:70] if r.get("rc") else ""
+        print(f"{r['model']:12s} {r['variant']:11s} {r.get('tokens_per_s', 0):9.0f} {r.get('peak_gib', 0):9.2f}  {note}")
+
+
+if __name__ == "__main__":
+    main()
