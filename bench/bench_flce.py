@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 SHAPES = [(8192, 4096, 128256), (16384, 4096, 128256), (16384, 3584, 152064)]
-IMPLS = ["project", "liger", "cce", "torch", "torch_compile"]
+IMPLS = ["project", "project_fast", "liger", "cce", "torch", "torch_compile"]
 MIB = 1024 * 1024
 
 
@@ -46,6 +46,10 @@ def make_impl(name):
         from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
 
         return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend="triton")
+    if name == "project_fast":
+        from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
+
+        return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend="triton_fast")
     if name == "torch":
         return _torch_loss
     if name == "torch_compile":
@@ -186,18 +190,18 @@ CHECKS = [
 def check(out_rows):
     from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
 
-    for n, hd, v, dtype, softcap, ignore in CHECKS:
+    for (n, hd, v, dtype, softcap, ignore), backend in [(c, b) for c in CHECKS for b in ("triton", "triton_fast")]:
         hidden, weight, y = make_inputs(n, hd, v, seed=1, dtype=dtype, ignore=ignore)
         h = hidden.clone().requires_grad_()
         w = weight.clone().requires_grad_()
-        loss = fused_linear_cross_entropy(h, w, y, softcap=softcap, backend="triton")
+        loss = fused_linear_cross_entropy(h, w, y, softcap=softcap, backend=backend)
         loss.backward()
         first = (float(loss), h.grad.clone(), w.grad.clone())
         h.grad = w.grad = None
-        loss2 = fused_linear_cross_entropy(h, w, y, softcap=softcap, backend="triton")
+        loss2 = fused_linear_cross_entropy(h, w, y, softcap=softcap, backend=backend)
         loss2.backward()
         deterministic = float(loss2) == first[0] and torch.equal(h.grad, first[1]) and torch.equal(w.grad, first[2])
-        row = {"N": n, "H": hd, "V": v, "dtype": str(dtype).split(".")[-1], "softcap": softcap, "ignore": ignore,
+        row = {"backend": backend, "N": n, "H": hd, "V": v, "dtype": str(dtype).split(".")[-1], "softcap": softcap, "ignore": ignore,
                "finite": bool(torch.isfinite(loss)), "deterministic": deterministic}
         if ignore < 1.0:
             ref_loss, ref_dh, ref_dw = reference(hidden, weight, y, dtype=torch.float64, chunk=1024, softcap=softcap)

@@ -71,11 +71,15 @@ def run(mdir, spec, variant, steps, work):
     proc = subprocess.run(["torchrun", "--nproc_per_node", "1", os.path.join(ROOT, "bench", "lf_bench_launch.py"), path, res_path],
                           capture_output=True, text=True, env=env, timeout=900)
     log = proc.stdout + proc.stderr
+    with open(out + ".log", "w") as f:
+        f.write(log)
     row = {"model": os.path.basename(mdir), "variant": variant, "rc": proc.returncode,
-           "engaged": next((l.strip() for l in log.splitlines() if "[liger_fsdp] engaged" in l), None)}
+           "engaged": next((l.strip() for l in log.splitlines() if "[liger_fsdp] engaged" in l), None),
+           "memory_line": next((l.strip() for l in log.splitlines() if "[liger_fsdp] memory" in l), None)}
     if proc.returncode != 0 or not os.path.exists(res_path):
         errs = [l for l in log.splitlines() if "Error" in l or "error:" in l]
         row["error"] = (errs[-1] if errs else log[-600:])[:400]
+        row["log_tail"] = log[-3000:]
         return row
     res = json.load(open(res_path))
     steps = res["steps"]

@@ -2,6 +2,7 @@
 # What was run on the lent H200 (device tool), so anyone can rerun it:
 #   bash bench/run_h200.sh kernel   # real-size kernel checks + the FLCE benchmark + CPU parity tests on the image's newer stack
 #   bash bench/run_h200.sh sft      # real-size LLaMA-Factory SFT runs (bench/real_size_sft.py)
+#   bash bench/run_h200.sh all      # kernel benchmark + checks, then the SFT runs
 # Wheels that the image lacks travel in .whl/ (see README "Benchmarks"); results go to $OUT (or bench/results).
 set -uo pipefail
 OUT=${OUT:-bench/results}
@@ -9,19 +10,27 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@" || exit 1; }
 case "${1:-kernel}" in
-  kernel)
+  kernel|kernel-only)
     install .whl/liger_kernel-*.whl .whl/cut_cross_entropy-*.whl
     export PYTHONPATH=/tmp/site:$PWD
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
     python3 -c "import torch,transformers,peft,accelerate,triton;print(torch.__version__,transformers.__version__,peft.__version__,accelerate.__version__,triton.__version__)"
-    timeout 400 python3 bench/bench_flce.py --out "$OUT/h200.json" 2>&1 | tee "$OUT/bench.log"
-    timeout 120 python3 bench/bench_flce.py --check --out "$OUT/h200_check.json" 2>&1 | tee "$OUT/check.log"
+    timeout 290 python3 bench/bench_flce.py --out "$OUT/h200.json" 2>&1 | tee "$OUT/bench.log"
+    timeout 90 python3 bench/bench_flce.py --check --out "$OUT/h200_check.json" 2>&1 | tee "$OUT/check.log"
+    [ "$1" = kernel-only ] && exit 0
     OMP_NUM_THREADS=1 timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_single_parity.py tests/test_dist_parity.py 2>&1 | tail -5 | tee "$OUT/compat_tests.log"
     ;;
+  all)
+    OUT=$OUT bash "$0" kernel-only
+    OUT=$OUT bash "$0" sft
+    ;;
   sft)
-    install .whl/*.whl
-    export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+    # the plugin itself is pip-installed for real (its .pth hook must land in site-packages)
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/llamafactory_liger_fsdp-*.whl || exit 1
+    install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
+    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
     python3 -c "import transformers,peft,accelerate,llamafactory;print(transformers.__version__,peft.__version__,accelerate.__version__,llamafactory.__version__)"
-    timeout 560 python3 bench/real_size_sft.py --out "$OUT/h200_sft.json" 2>&1 | tee "$OUT/sft.log"
+    timeout 250 python3 bench/real_size_sft.py --out "$OUT/h200_sft.json" ${SFT_ARGS:-} 2>&1 | tee "$OUT/sft.log"
+    tail -c 20000 /tmp/real_size/*_liger_fsdp.log > "$OUT/liger_fsdp_runs.log" 2>/dev/null
     ;;
 esac

@@ -274,21 +274,28 @@ def _fused_forward(causal_lm: nn.Module, plan: HeadPlan, original, signature: in
         orl = params.get("output_router_logits")
         params["output_router_logits"] = causal_lm.config.output_router_logits if orl is None else orl
 
-    if not plan.announced:
+    first_step = not plan.announced
+    if first_step:
         plan.announced = True
         _announce(causal_lm, plan)
 
     decoder = getattr(causal_lm, causal_lm.base_model_prefix)
     outputs = decoder(**params, **extra)
+    hidden = outputs.last_hidden_state
+    report = _MemoryReport(hidden, plan) if first_step else None
+    if report is not None and report.on:
+        report.vocab = causal_lm.config.get_text_config().vocab_size
     loss = head_loss(
         causal_lm,
         plan,
-        outputs.last_hidden_state,
+        hidden,
         labels,
         shift_labels=extra.get("shift_labels"),
         num_items_in_batch=extra.get("num_items_in_batch"),
         ignore_index=extra.get("ignore_index", -100),
     )
+    if report is not None:
+        report.after_forward(loss)
     aux = families.moe_aux_loss(plan.family, causal_lm, outputs, params.get("attention_mask"))
     if plan.family.moe:
         from transformers.modeling_outputs import MoeCausalLMOutputWithPast
@@ -313,6 +320,57 @@ def _fused_forward(causal_lm: nn.Module, plan: HeadPlan, original, signature: in
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )
+
+
+class _MemoryReport:
+    """Measures, once (first training step, CUDA, rank 0), the peak memory the fused loss needs
+    beyond its inputs in forward and in backward, and logs it beside what the unfused logits of
+    the same step would need (computed: at least bf16 logits + fp32 copy + fp32 log-softmax, 10
+    bytes per logit). Resets CUDA's peak-memory statistics twice, on that step only."""
+
+    def __init__(self, hidden: torch.Tensor, plan: HeadPlan):
+        from ._log import rank
+
+        self.on = hidden.is_cuda and rank() == 0
+        if not self.on:
+            return
+        self.tokens = hidden.numel() // hidden.shape[-1]
+        self.vocab = None
+        self.peaks = {}
+        torch.cuda.reset_peak_memory_stats(hidden.device)
+        self.device = hidden.device
+        self.base = torch.cuda.memory_allocated(hidden.device)
+        self.hidden = hidden
+
+    def after_forward(self, loss: torch.Tensor) -> None:
+        if not self.on:
+            return
+        self.peaks["forward"] = torch.cuda.max_memory_allocated(self.device) - self.base
+        if loss.requires_grad and self.hidden.requires_grad:
+            loss.register_hook(self._before_backward)
+            self.hidden.register_hook(self._after_backward)
+        else:
+            self._log()
+        self.hidden = None
+
+    def _before_backward(self, grad):
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
+
+    def _after_backward(self, grad):
+        self.peaks["backward"] = torch.cuda.max_memory_allocated(self.device) - self.base
+        self._log()
+
+    def _log(self) -> None:
+        from ._log import info_rank0
+
+        peak = max(self.peaks.values()) / 2**30
+        parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in self.peaks.items())
+        info_rank0(
+            f"[liger_fsdp] memory (step 1, measured): the fused loss needed {peak:.2f} GiB beyond its inputs ({parts}); "
+            f"unfused logits for these {self.tokens} tokens would need at least {self.tokens * self.vocab * 10 / 2**30:.1f} GiB "
+            f"(vocab {self.vocab}, 10 bytes a logit)."
+        )
 
 
 def _announce(causal_lm: nn.Module, plan: HeadPlan) -> None:

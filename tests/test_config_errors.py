@@ -76,7 +76,7 @@ def test_wrong_type(base, value):
 
 
 def test_bad_backend(base):
-    with pytest.raises(LigerFsdpConfigError, match=r"^`liger_fsdp_backend` must be one of auto, triton, torch, got 'cuda'"):
+    with pytest.raises(LigerFsdpConfigError, match=r"^`liger_fsdp_backend` must be one of auto, triton, triton_fast, torch, got 'cuda'"):
         _train_args(dict(base, liger_fsdp=True, liger_fsdp_backend="cuda"))
 
 

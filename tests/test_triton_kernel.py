@@ -14,23 +14,25 @@ from tiny import make_batch, rel, twin
 TILES = [None, (7, 16, 5), (64, 64, 9), (3, 1000, 100)]  # None: planned; others reach R<N_v / many slabs
 
 
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("softcap", [None, 2.5])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_fp32_exact(tiles, softcap, reduction):
+def test_fp32_exact(tiles, softcap, reduction, fast):
     h, w, y = inputs(53, 24, 203, torch.float32, seed=3)
-    loss = fused_linear_cross_entropy_triton(h, w, y, reduction=reduction, softcap=softcap, tiles=tiles)
+    loss = fused_linear_cross_entropy_triton(h, w, y, reduction=reduction, softcap=softcap, tiles=tiles, fast=fast)
     loss.backward()
     ref_loss, ref_dh, ref_dw = reference(h, w, y, reduction=reduction, softcap=softcap)
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
     assert rel(h.grad, ref_dh) <= 1e-5 and rel(w.grad, ref_dw) <= 1e-5
 
 
+@pytest.mark.parametrize("backend", ["triton", "triton_fast"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(96, 64, 1000), (61, 40, 509)])
-def test_low_precision(dtype, shape):
+def test_low_precision(dtype, shape, backend):
     h, w, y = inputs(*shape, dtype, seed=5)
-    loss = fused_linear_cross_entropy(h, w, y, backend="triton")
+    loss = fused_linear_cross_entropy(h, w, y, backend=backend)
     loss.backward()
     ref_loss, ref_dh, ref_dw = reference(h, w, y)
     assert h.grad.dtype == dtype and w.grad.dtype == dtype
@@ -39,11 +41,12 @@ def test_low_precision(dtype, shape):
     assert rel(h.grad, ref_dh) <= tol and rel(w.grad, ref_dw) <= tol
 
 
+@pytest.mark.parametrize("backend", ["triton", "triton_fast"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_all_ignored(reduction):
+def test_all_ignored(reduction, backend):
     h, w, y = inputs(9, 8, 11, torch.float32)
     y[:] = -100
-    loss = fused_linear_cross_entropy(h, w, y, reduction=reduction, backend="triton")
+    loss = fused_linear_cross_entropy(h, w, y, reduction=reduction, backend=backend)
     loss.backward()
     assert torch.isfinite(loss) and loss.item() == 0.0
     assert torch.all(h.grad == 0) and torch.all(w.grad == 0)
@@ -79,11 +82,12 @@ def test_plan_respects_budget():
         assert v_s >= 2048 and r >= 2048  # big enough GEMMs to stay on the matmul roof
 
 
+@pytest.mark.parametrize("backend", ["triton", "triton_fast"])
 @pytest.mark.parametrize("case", [("llama", "mts"), ("llama", "lora"), ("gemma2", "full"), ("qwen2_tied", "full")])
-def test_plugin_through_triton(case):
+def test_plugin_through_triton(case, backend):
     family, kind = case
     ref, cand = twin(family, kind)
-    head.engage(cand, backend="triton")
+    head.engage(cand, backend=backend)
     batch = make_batch()
     n_t = torch.tensor(int((batch["labels"][:, 1:] != -100).sum()) * 2)
     lr, lc = ref(**batch, num_items_in_batch=n_t).loss, cand(**batch, num_items_in_batch=n_t).loss
@@ -92,3 +96,12 @@ def test_plugin_through_triton(case):
     for (n, p), (_, q) in zip(ref.named_parameters(), cand.named_parameters()):
         if p.requires_grad:
             assert rel(q.grad, p.grad) <= 1e-5, n
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_fast"])
+def test_only_needed_grads_and_scaled_grad_out(backend):
+    h, w, y = inputs(19, 8, 31, torch.float32)
+    w.requires_grad_(False)
+    (3.0 * fused_linear_cross_entropy(h, w, y, backend=backend)).backward()
+    _, ref_dh, _ = reference(h, w, y)
+    assert w.grad is None and rel(h.grad, 3.0 * ref_dh) <= 1e-5

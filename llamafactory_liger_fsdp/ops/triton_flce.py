@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 DEFAULT_MEM_BUDGET = 224 * 1024 * 1024
+FAST_CHUNK_BYTES = 1536 * 1024 * 1024  # fp32 logits + dz of one row chunk in the fast path
 
 
 # --------------------------------------------------------------------------- kernels
@@ -146,11 +147,11 @@ def plan_tiles(n_valid: int, h: int, v: int, need_h: bool, mem_budget: int) -> t
         return 6 * r * v_s + 2 * r * h + (4 * v_s * h if r < n_valid else 0)
 
     vmax = triton.next_power_of_2(v)
-    rows = [n_valid] + [r for r in (8192, 4096, 2048) if r < n_valid]
-    for v_s in (4096, 2048):
-        for r in rows:
-            if mem(min(v_s, vmax), r) <= left:
-                return c, min(v_s, vmax), max(r, 1)
+    # one row block first: it needs no slab accumulator (dW_s goes straight out of one GEMM)
+    order = [(4096, n_valid), (2048, n_valid)] + [(v_s, r) for r in (8192, 4096, 2048) if r < n_valid for v_s in (4096, 2048)]
+    for v_s, r in order:
+        if mem(min(v_s, vmax), r) <= left:
+            return c, min(v_s, vmax), max(r, 1)
     return c, min(2048, vmax), max(min(2048, n_valid), 1)
 
 
@@ -268,6 +269,73 @@ class _TritonFLCE(torch.autograd.Function):
         return dh, dw, None, None, None, None, None
 
 
+class _TritonFLCEFast(torch.autograd.Function):
+    """Gradients computed in forward (``6 N_v H V``): per chunk of ``c`` valid rows, fp32 logits
+    ``[c, V]`` -> lse -> ``dz`` -> ``dh_c = dz @ W`` (final) and ``dW += dz^T h_c`` into an fp32
+    ``[V, H]`` accumulator. 25% fewer flops than the lean path, for ``4 V H`` (+ the ``[c, V]``
+    chunk) of extra memory; backward only scales the saved gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, normalize, softcap, chunk_bytes):
+        n, h = hidden.shape
+        v = weight.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        valid = labels != ignore_index
+        idx = valid.nonzero().squeeze(1)
+        n_valid = int(idx.numel())
+        all_valid = n_valid == n
+        y_valid = labels if all_valid else labels.index_select(0, idx)
+        denom = float(max(n_valid, 1)) if normalize else 1.0
+        scale = torch.full((1,), 1.0 / denom, device=hidden.device, dtype=torch.float32)
+        dh = torch.zeros_like(hidden) if need_h else None
+        dw_acc = torch.zeros(v, h, device=weight.device, dtype=torch.float32) if need_w else None
+        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        c = max(16, min(max(n_valid, 1), (chunk_bytes // (6 * v)) // 16 * 16))
+        block = 1024
+        wt = weight.t()
+        for s0 in range(0, n_valid, c):
+            rows = slice(s0, s0 + c)
+            h_c = hidden[rows] if all_valid else hidden.index_select(0, idx[rows])
+            z = _mm_f32(h_c, wt)
+            lse_c = _lse(z, softcap)
+            y_c = y_valid[rows]
+            total += (lse_c - _capped(z.gather(1, y_c.unsqueeze(1)).squeeze(1), softcap)).sum()
+            if need_h or need_w:
+                dz = torch.empty(z.shape, device=z.device, dtype=hidden.dtype)
+                _dz_kernel[(z.shape[0], triton.cdiv(v, block))](
+                    z, z.stride(0), dz, dz.stride(0), y_c, lse_c, scale, v, 0, float(softcap or 1.0),
+                    HAS_SOFTCAP=softcap is not None, BLOCK=block, num_warps=4,
+                )
+                del z
+                if need_h:
+                    dh_c = torch.mm(dz, weight)
+                    if all_valid:
+                        dh[rows] = dh_c
+                    else:
+                        dh.index_copy_(0, idx[rows], dh_c)
+                if need_w:
+                    _addmm_f32_(dw_acc, dz.t(), h_c)
+                del dz
+        dw = None
+        if need_w:
+            dw = dw_acc.to(weight.dtype)
+            del dw_acc
+        ctx.save_for_backward(*(t for t in (dh, dw) if t is not None))
+        ctx.has = (need_h, need_w)
+        return total / denom
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = list(ctx.saved_tensors)
+        need_h, need_w = ctx.has
+        dh = saved.pop(0) if need_h else None
+        dw = saved.pop(0) if need_w else None
+        if not bool(grad_out == 1):
+            dh = dh * grad_out.to(dh.dtype) if dh is not None else None
+            dw = dw * grad_out.to(dw.dtype) if dw is not None else None
+        return dh, dw, None, None, None, None, None
+
+
 def fused_linear_cross_entropy_triton(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -278,11 +346,18 @@ def fused_linear_cross_entropy_triton(
     softcap: float | None = None,
     mem_budget: int = DEFAULT_MEM_BUDGET,
     tiles: tuple[int, int, int] | None = None,
+    fast: bool = False,
 ) -> torch.Tensor:
     """Triton backend of :func:`llamafactory_liger_fsdp.ops.fused_linear_cross_entropy`.
 
     ``tiles=(c, v_s, R)`` overrides :func:`plan_tiles` (tests use it to reach every loop path)."""
     with torch.autocast(device_type=hidden.device.type, enabled=False):
+        if fast:
+            chunk_bytes = FAST_CHUNK_BYTES if tiles is None else 6 * weight.shape[0] * tiles[0]
+            return _TritonFLCEFast.apply(
+                hidden.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index, reduction == "mean",
+                softcap, chunk_bytes,
+            )
         return _TritonFLCE.apply(
             hidden.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index, reduction == "mean",
             softcap, mem_budget if tiles is None else tiles,
