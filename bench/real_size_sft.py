@@ -23,7 +23,12 @@ MODELS = {
     "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0, layer="Qwen2DecoderLayer"),
 }
-VARIANTS = {"plain": {}, "liger_fsdp": {"liger_fsdp": True}, "liger": {"enable_liger_kernel": True}}
+VARIANTS = {
+    "plain": {},
+    "liger_fsdp": {"liger_fsdp": True},
+    "liger_fsdp_fast": {"liger_fsdp": True, "liger_fsdp_backend": "triton_fast"},
+    "liger": {"enable_liger_kernel": True},
+}
 
 
 def build(work, name, spec, layers):

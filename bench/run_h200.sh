@@ -30,7 +30,7 @@ case "${1:-kernel}" in
     install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
     export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
     python3 -c "import transformers,peft,accelerate,llamafactory;print(transformers.__version__,peft.__version__,accelerate.__version__,llamafactory.__version__)"
-    timeout 250 python3 bench/real_size_sft.py --out "$OUT/h200_sft.json" ${SFT_ARGS:-} 2>&1 | tee "$OUT/sft.log"
+    timeout 420 python3 bench/real_size_sft.py --out "$OUT/h200_sft.json" ${SFT_ARGS:-} 2>&1 | tee "$OUT/sft.log"
     tail -c 20000 /tmp/real_size/*_liger_fsdp.log > "$OUT/liger_fsdp_runs.log" 2>/dev/null
     ;;
 esac

@@ -196,6 +196,7 @@ def head_loss(
     shift_labels: torch.Tensor | None = None,
     num_items_in_batch=None,
     ignore_index: int = -100,
+    probe: "_MemoryProbe | None" = None,
 ) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` on ``lm_head(hidden)``, computed by the fused kernel."""
     if shift_labels is None:
@@ -210,6 +211,8 @@ def head_loss(
         softcap=plan.softcap,
         backend=plan.backend,
     )
+    if probe is not None:
+        kernel = functools.partial(probe.run, kernel)
     resolved = [wrapping.resolve(causal_lm, p) for p in plan.weight_paths]
     units = [u for unit_list, _ in resolved for u in unit_list]
     modules = [m for _, m in resolved]
@@ -282,9 +285,9 @@ def _fused_forward(causal_lm: nn.Module, plan: HeadPlan, original, signature: in
     decoder = getattr(causal_lm, causal_lm.base_model_prefix)
     outputs = decoder(**params, **extra)
     hidden = outputs.last_hidden_state
-    report = _MemoryReport(hidden, plan) if first_step else None
-    if report is not None and report.on:
-        report.vocab = causal_lm.config.get_text_config().vocab_size
+    probe = None
+    if first_step and hidden.is_cuda and _rank0():
+        probe = _MemoryProbe(causal_lm.get_output_embeddings().out_features)
     loss = head_loss(
         causal_lm,
         plan,
@@ -293,9 +296,8 @@ def _fused_forward(causal_lm: nn.Module, plan: HeadPlan, original, signature: in
         shift_labels=extra.get("shift_labels"),
         num_items_in_batch=extra.get("num_items_in_batch"),
         ignore_index=extra.get("ignore_index", -100),
+        probe=probe,
     )
-    if report is not None:
-        report.after_forward(loss)
     aux = families.moe_aux_loss(plan.family, causal_lm, outputs, params.get("attention_mask"))
     if plan.family.moe:
         from transformers.modeling_outputs import MoeCausalLMOutputWithPast
@@ -322,55 +324,63 @@ def _fused_forward(causal_lm: nn.Module, plan: HeadPlan, original, signature: in
     )
 
 
-class _MemoryReport:
-    """Measures, once (first training step, CUDA, rank 0), the peak memory the fused loss needs
-    beyond its inputs in forward and in backward, and logs it beside what the unfused logits of
-    the same step would need (computed: at least bf16 logits + fp32 copy + fp32 log-softmax, 10
-    bytes per logit). Resets CUDA's peak-memory statistics twice, on that step only."""
+class _MemoryProbe:
+    """Measures once (first training step, CUDA, rank 0) the peak memory the fused kernel needs
+    beyond its inputs and the gradients it returns, in forward and in backward, and logs it beside
+    what the unfused logits of the same step would need (computed: bf16 logits + fp32 copy + fp32
+    log-softmax, at least 10 bytes a logit). The window is the kernel alone (inside the FSDP
+    call-through), so FSDP's own gathers and reduce-scatters are not counted. Resets CUDA's
+    peak-memory statistics twice, on that step only."""
 
-    def __init__(self, hidden: torch.Tensor, plan: HeadPlan):
-        from ._log import rank
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+        self.peaks: dict[str, float] = {}
 
-        self.on = hidden.is_cuda and rank() == 0
-        if not self.on:
-            return
-        self.tokens = hidden.numel() // hidden.shape[-1]
-        self.vocab = None
-        self.peaks = {}
-        torch.cuda.reset_peak_memory_stats(hidden.device)
-        self.device = hidden.device
-        self.base = torch.cuda.memory_allocated(hidden.device)
-        self.hidden = hidden
+    def run(self, kernel, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        dev = h.device
+        self.tokens = h.shape[0]
+        self.grad_bytes = (h.numel() * h.element_size() if h.requires_grad else 0) + (
+            w.numel() * w.element_size() if w.requires_grad else 0
+        )
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        loss = kernel(h, w, y)
+        self.peaks["forward"] = torch.cuda.max_memory_allocated(dev) - base
+        if loss.requires_grad and h.requires_grad:
+            state = {}
 
-    def after_forward(self, loss: torch.Tensor) -> None:
-        if not self.on:
-            return
-        self.peaks["forward"] = torch.cuda.max_memory_allocated(self.device) - self.base
-        if loss.requires_grad and self.hidden.requires_grad:
-            loss.register_hook(self._before_backward)
-            self.hidden.register_hook(self._after_backward)
+            def before(grad):
+                torch.cuda.reset_peak_memory_stats(dev)
+                state["base"] = torch.cuda.memory_allocated(dev)
+
+            def after(grad):
+                self.peaks["backward"] = max(
+                    torch.cuda.max_memory_allocated(dev) - state["base"] - self.grad_bytes, 0
+                )
+                self.log()
+
+            loss.register_hook(before)
+            h.register_hook(after)
         else:
-            self._log()
-        self.hidden = None
+            self.log()
+        return loss
 
-    def _before_backward(self, grad):
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.base = torch.cuda.memory_allocated(self.device)
-
-    def _after_backward(self, grad):
-        self.peaks["backward"] = torch.cuda.max_memory_allocated(self.device) - self.base
-        self._log()
-
-    def _log(self) -> None:
+    def log(self) -> None:
         from ._log import info_rank0
 
-        peak = max(self.peaks.values()) / 2**30
-        parts = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in self.peaks.items())
+        gib = 2**30
+        parts = ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in self.peaks.items())
         info_rank0(
-            f"[liger_fsdp] memory (step 1, measured): the fused loss needed {peak:.2f} GiB beyond its inputs ({parts}); "
-            f"unfused logits for these {self.tokens} tokens would need at least {self.tokens * self.vocab * 10 / 2**30:.1f} GiB "
-            f"(vocab {self.vocab}, 10 bytes a logit)."
+            f"[liger_fsdp] memory (step 1, measured): the fused loss kernel needed {max(self.peaks.values()) / gib:.2f} GiB "
+            f"beyond its inputs and gradients ({parts}); unfused logits for these {self.tokens} tokens would need at least "
+            f"{self.tokens * self.vocab * 10 / gib:.1f} GiB (vocab {self.vocab}, 10 bytes a logit)."
         )
+
+
+def _rank0() -> bool:
+    from ._log import rank
+
+    return rank() == 0
 
 
 def _announce(causal_lm: nn.Module, plan: HeadPlan) -> None:
