@@ -20,8 +20,9 @@ BACKENDS = ("torch", "triton", "triton_fast")
 REDUCTIONS = ("mean", "sum")
 
 
-def default_backend(device: torch.device) -> str:
-    """``"triton"`` where the Triton kernel can run (CUDA with triton installed), else ``"torch"``."""
+def default_backend(device: torch.device, fast: bool = False) -> str:
+    """``"triton"`` (``"triton_fast"`` with ``fast``) where the Triton kernel can run (CUDA with
+    triton installed), else ``"torch"``."""
     if device.type == "cuda":
         try:
             import triton  # noqa: F401
@@ -29,7 +30,7 @@ def default_backend(device: torch.device) -> str:
             from . import triton_flce  # noqa: F401
         except ImportError:
             return "torch"
-        return "triton"
+        return "triton_fast" if fast else "triton"
     return "torch"
 
 
