@@ -25,7 +25,7 @@ MODELS = {
 }
 VARIANTS = {
     "plain": {},
-    "liger_fsdp": {"liger_fsdp": True},
+    "liger_fsdp": {"liger_fsdp": True, "liger_fsdp_backend": "triton"},
     "liger_fsdp_fast": {"liger_fsdp": True, "liger_fsdp_backend": "triton_fast"},
     "liger": {"enable_liger_kernel": True},
 }
