@@ -222,8 +222,17 @@ def _worker(rank: int, world: int, init_file: str, mode: str, cases: list[str], 
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(gathered, f)
+        # Both ranks leave the last collective together: a rank that tears gloo
+        # down while its peer still has a pending send/recv thread aborts with
+        # "terminate called without an active exception" (seen in CI).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Skip C++ static destructors at interpreter exit (gloo's background
+    # threads can still be joinable then); everything worth keeping is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(mode: str, cases: list[str], out: str, world: int = 2) -> None:

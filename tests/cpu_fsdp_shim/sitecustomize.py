@@ -65,6 +65,26 @@ def _patch_state(state_mod):
 
     FullStateDictConfig.__init__ = full_sd_init
 
+    # gloo teardown race (seen in CI): a rank that destroys its process group while the peer's
+    # gloo threads still finish the last op aborts at exit ("terminate called without an active
+    # exception", SIGABRT). LLaMA-Factory's run_exp calls destroy_process_group as the very last
+    # step of a successful run, so leave together (barrier), destroy, and skip C++ static
+    # destructors. A failing run raises before this point and keeps its exit code.
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def destroy_and_exit(group=None):
+        if group is not None or not dist.is_initialized():
+            return destroy(group)
+        dist.barrier()
+        destroy()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    dist.destroy_process_group = destroy_and_exit
+
 
 class _Loader(importlib.abc.Loader):
     def __init__(self, inner):
