@@ -163,6 +163,16 @@ def check_training_args(cfg: LigerFsdpConfig, model_args: Any, training_args: An
             "`liger_fsdp: true` does not work with `use_unsloth: true`: unsloth replaces the model's forward and loss. "
             "Fix: set `use_unsloth: false` or remove `liger_fsdp`."
         )
+    if getattr(finetuning_args, "use_mca", False):
+        raise LigerFsdpConfigError(
+            "`liger_fsdp: true` does not work with `use_mca: true`: Megatron-Core (mcore_adapter) builds its own model "
+            "and loss, so there is no Hugging Face head to fuse. Fix: set `use_mca: false` or remove `liger_fsdp`."
+        )
+    if getattr(model_args, "use_kt", False):
+        raise LigerFsdpConfigError(
+            "`liger_fsdp: true` does not work with `use_kt: true`: KTransformers replaces the model's modules and "
+            "forward. Fix: set `use_kt: false` or remove `liger_fsdp`."
+        )
     stage_ds = _deepspeed_zero_stage(training_args)
     if stage_ds == 3:
         raise LigerFsdpConfigError(

@@ -15,6 +15,13 @@ rank 0 when the flag is on, and undone by :func:`unpatch`:
    and 4. ``accelerate.utils.fsdp_utils.fsdp2_prepare_auto_wrap_policy`` (FSDP2) -- compose
    whatever policy is configured (PEFT's ``fsdp_auto_wrap_policy``, transformer-based, none) with
    "the tagged head modules are units". Applied only once a model has engaged.
+5. ``transformers.trainer.save_fsdp_model`` / ``load_fsdp_model`` (accelerate's functions as the
+   Trainer binds them) -- FSDP2 adapter checkpoints hold full tensors and resume on every rank
+   (:mod:`.checkpoint`). Applied only once a model has engaged; every other case delegates.
+
+Parse time, flag on: :func:`.checkpoint.check_state_dict_type` (inside patch 1: the adapter gets
+saved) and :func:`.checkpoint.check_resume` (1b. ``llamafactory.hparams.parser.get_train_args``,
+after LLaMA-Factory chose the checkpoint to resume from: a half-written one is never resumed).
 
 Liger-Kernel: when ``enable_liger_kernel: true`` is also set, LLaMA-Factory still applies Liger's
 kernels (RMSNorm, RoPE, SwiGLU, ...). Liger's fused loss lives in the *class* ``forward`` it
@@ -55,7 +62,7 @@ def _find(result: Any, cls_name: str) -> Any:
 
 
 def patch_parser(parser_module: Any) -> None:
-    from . import config
+    from . import checkpoint, config
 
     _patch.require_params(parser_module._parse_args, ("parser", "args", "allow_extra_keys"), f"{PARSER}._parse_args")
     read_args = parser_module.read_args
@@ -72,11 +79,31 @@ def patch_parser(parser_module: Any) -> None:
                 training_args = _find(result, "TrainingArguments") or _find(result, "Seq2SeqTrainingArguments")
                 if training_args is not None and finetuning_args is not None:
                     config.check_training_args(cfg, _find(result, "ModelArguments"), training_args, finetuning_args)
+                    checkpoint.check_state_dict_type(training_args, finetuning_args)
             return result
 
         return _parse_args
 
     _patch.apply(parser_module, "_parse_args", make, "accept and validate the liger_fsdp keys")
+
+    # LLaMA-Factory picks the checkpoint to resume from (get_last_checkpoint of output_dir) in
+    # get_train_args *after* _parse_args returns, so the resume check wraps get_train_args. Patched
+    # before llamafactory.hparams re-exports it (the import hook runs right after this module).
+    _patch.require_params(parser_module.get_train_args, ("args",), f"{PARSER}.get_train_args")
+
+    def make_train(original):
+        def get_train_args(args=None):
+            result = original(args)
+            finetuning_args = _find(result, "FinetuningArguments")
+            training_args = _find(result, "TrainingArguments") or _find(result, "Seq2SeqTrainingArguments")
+            if finetuning_args is not None and training_args is not None and config.get_config(finetuning_args).enabled:
+                if getattr(training_args, "do_train", False):
+                    checkpoint.check_resume(read_args(args), training_args)
+            return result
+
+        return get_train_args
+
+    _patch.apply(parser_module, "get_train_args", make_train, "never resume from a half-written checkpoint")
 
 
 # --------------------------------------------------------------------------- 2. the model
@@ -142,6 +169,7 @@ def engage_model(model: Any, cfg: Any, liger: bool = False):
     if plan is None:
         return None
     patch_accelerate()
+    patch_checkpointing()
     _patch.log_once()
     if liger:
         info_rank0(
@@ -189,6 +217,26 @@ def patch_accelerate() -> None:
             f"[liger_fsdp] warning: {exc}. The loss stays exact (it runs through whichever unit owns the head), "
             "but the head is not split into its own FSDP unit, so it stays gathered with the root."
         )
+
+
+# --------------------------------------------------------------------------- 5. checkpoints
+def patch_checkpointing() -> None:
+    """FSDP2 adapter checkpoints that hold full tensors and resume on every rank (:mod:`.checkpoint`)."""
+    from . import checkpoint
+
+    try:
+        import transformers.trainer as trainer_module
+    except ImportError:  # pragma: no cover
+        return
+    try:
+        for name, make in (("save_fsdp_model", checkpoint.make_save), ("load_fsdp_model", checkpoint.make_load)):
+            fn = getattr(trainer_module, name, None)
+            if fn is None:
+                raise _patch.PatchError(f"transformers.trainer.{name} not found")
+            _patch.require_params(fn, ("fsdp_plugin", "accelerator", "model", "adapter_only"), f"transformers.trainer.{name}")
+            _patch.apply(trainer_module, name, make, "FSDP2 adapter checkpoints hold full tensors and resume on every rank")
+    except _patch.PatchError as exc:
+        info_rank0(f"[liger_fsdp] warning: {exc}; FSDP2 adapter checkpoints are saved and loaded as accelerate ships them.")
 
 
 def unpatch() -> None:

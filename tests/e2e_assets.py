@@ -77,14 +77,28 @@ def run_cli(cfg: dict, nproc: int | None = None, fsdp1: bool = False, timeout: i
         env["PYTHONPATH"] = str(SHIM) + os.pathsep + env.get("PYTHONPATH", "")
         if fsdp1:
             env["CPU_FSDP_SHIM_SKIP_SAVE"] = "1"
-    env.update(extra_env or {})
+    for key, value in (extra_env or {}).items():  # None removes a variable
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     proc = subprocess.run(
         [os.path.join(bindir, "llamafactory-cli"), "train", str(path)],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=str(out.parent),
     )
     log = proc.stdout + proc.stderr
-    losses = []
-    log_file = out / "trainer_log.jsonl"
+    return proc.returncode, log, [loss for _, loss in sorted(step_losses(out).items())]
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    """{optimizer step: loss} from LLaMA-Factory's trainer_log.jsonl (a resumed run appends to it;
+    the latest record of a step wins)."""
+    import json
+
+    log_file = Path(out) / "trainer_log.jsonl"
+    losses = {}
     if log_file.exists():
-        losses = [r["loss"] for r in map(json.loads, log_file.read_text().splitlines()) if "loss" in r]
-    return proc.returncode, log, losses
+        for rec in map(json.loads, log_file.read_text().splitlines()):
+            if "loss" in rec:
+                losses[int(rec["current_steps"])] = float(rec["loss"])
+    return losses

@@ -124,3 +124,68 @@ if os.environ.get("CPU_FSDP_SHIM_SKIP_SAVE") == "1":
         print("[cpu_fsdp_shim] final save skipped (FSDP1 on CPU)", file=sys.stderr)
 
     transformers.trainer.Trainer.save_model = _no_save
+
+
+if os.environ.get("CPU_FSDP_SHIM_LOGITS"):
+    # After training, run the trained (still sharded) model in eval on fixed token ids -- every
+    # rank takes part, FSDP2 forwards are collective -- and rank 0 saves the logits. The tests
+    # compare them with the saved adapter loaded into a plain PEFT model in one process.
+    import transformers.trainer
+
+    _train = transformers.trainer.Trainer.train
+
+    def _train_then_dump(self, *args, **kwargs):
+        result = _train(self, *args, **kwargs)
+        import torch
+
+        model = self.model_wrapped if self.model_wrapped is not None else self.model
+        ids = torch.randint(0, self.model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits.float()
+        model.train(was_training)
+        if os.environ.get("RANK", "0") == "0":
+            torch.save({"input_ids": ids, "logits": logits}, os.environ["CPU_FSDP_SHIM_LOGITS"])
+        return result
+
+    transformers.trainer.Trainer.train = _train_then_dump
+
+if os.environ.get("CPU_FSDP_SHIM_KILL"):
+    # Kill one rank with SIGKILL (no cleanup, like an OOM kill or a lost node):
+    #   "step:S:R" -- rank R inside optimizer step S (its first training_step call);
+    #   "save:S:R" -- rank R while saving checkpoint-S, after the weights and optimizer, right
+    #                 before trainer_state.json (what the Trainer writes last).
+    import signal
+
+    import transformers.trainer
+    import transformers.trainer_callback
+
+    _what, _step, _rank = os.environ["CPU_FSDP_SHIM_KILL"].split(":")
+    _step, _me = int(_step), os.environ.get("RANK", "0") == _rank
+
+    def _die():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if _what == "step":
+        _training_step = transformers.trainer.Trainer.training_step
+
+        def _training_step_or_die(self, *args, **kwargs):
+            if _me and self.state.global_step == _step - 1:
+                print(f"[cpu_fsdp_shim] killing rank {_rank} in step {_step}", file=sys.stderr)
+                _die()
+            return _training_step(self, *args, **kwargs)
+
+        transformers.trainer.Trainer.training_step = _training_step_or_die
+    elif _what == "save":
+        _save_to_json = transformers.trainer_callback.TrainerState.save_to_json
+
+        def _save_to_json_or_die(self, json_path):
+            if _me and os.path.basename(os.path.dirname(json_path)) == f"checkpoint-{_step}":
+                print(f"[cpu_fsdp_shim] killing rank {_rank} while saving checkpoint-{_step}", file=sys.stderr)
+                _die()
+            return _save_to_json(self, json_path)
+
+        transformers.trainer_callback.TrainerState.save_to_json = _save_to_json_or_die

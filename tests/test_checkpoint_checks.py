@@ -1,0 +1,168 @@
+"""Parse-time refusals and choices around checkpoints (in process, through LLaMA-Factory's parser):
+the state-dict type of an FSDP2 adapter run, half-written checkpoints, and keys that cannot work
+with the plugin."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from llamafactory_liger_fsdp import checkpoint
+from llamafactory_liger_fsdp.config import LigerFsdpConfigError
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from e2e_assets import build
+
+    return build(tmp_path_factory.mktemp("assets"))
+
+
+@pytest.fixture
+def base(assets, tmp_path):
+    return dict(
+        model_name_or_path=str(assets / "model"), stage="sft", do_train=True, finetuning_type="lora",
+        dataset="tiny_alpaca", dataset_dir=str(assets / "data"), template="llama3", output_dir=str(tmp_path / "out"),
+        report_to="none", liger_fsdp=True,
+    )
+
+
+FSDP2 = dict(fsdp="full_shard auto_wrap", fsdp_config=dict(version=2, transformer_layer_cls_to_wrap="LlamaDecoderLayer"))
+
+
+def _train_args(args):
+    from llamafactory.hparams import get_train_args
+
+    return get_train_args(args)
+
+
+def _checkpoint(path, state=True, weights=True):
+    """A small checkpoint directory: trainer_state.json (or not), a torch zip file, a safetensors file."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    if weights:
+        torch.save({"x": torch.ones(3)}, os.path.join(path, "optimizer.bin"))
+        save_file({"w": torch.ones(4, 4)}, os.path.join(path, "adapter_model.safetensors"))
+    if state:
+        with open(os.path.join(path, "trainer_state.json"), "w") as f:
+            json.dump({"global_step": int(str(path).rsplit("-", 1)[1])}, f)
+    return str(path)
+
+
+SHARDED_TEXT = (
+    "`liger_fsdp: true` with a LoRA adapter under FSDP does not work with `fsdp_state_dict_type: SHARDED_STATE_DICT` "
+    "(env FSDP_STATE_DICT_TYPE): the Trainer then saves no adapter at all and a resume loses the optimizer's moments. "
+    "Fix: set `fsdp_state_dict_type: FULL_STATE_DICT` in the accelerate config (or FSDP_STATE_DICT_TYPE=FULL_STATE_DICT "
+    "in the environment)."
+)
+
+
+def test_fsdp2_sharded_state_dict_refused(base, monkeypatch):
+    monkeypatch.setenv("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT")
+    with pytest.raises(LigerFsdpConfigError) as err:
+        _train_args(dict(base, **FSDP2))
+    assert str(err.value) == SHARDED_TEXT
+
+
+def test_fsdp2_state_dict_type_defaults_to_full(base, monkeypatch, capsys):
+    monkeypatch.delenv("FSDP_STATE_DICT_TYPE", raising=False)
+    _train_args(dict(base, **FSDP2))
+    assert os.environ["FSDP_STATE_DICT_TYPE"] == "FULL_STATE_DICT"
+    assert "[liger_fsdp] FSDP2 + adapter: using fsdp_state_dict_type FULL_STATE_DICT" in capsys.readouterr().err
+
+
+def test_full_finetuning_keeps_accelerates_choice(base, monkeypatch):
+    monkeypatch.setenv("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT")  # sharded DCP checkpoints are right for full FT
+    _train_args(dict(base, finetuning_type="full", **FSDP2))
+    assert os.environ["FSDP_STATE_DICT_TYPE"] == "SHARDED_STATE_DICT"
+
+
+@pytest.mark.parametrize(
+    "state, weights, reason",
+    [
+        (False, True, "no trainer_state.json (the Trainer writes it last)"),
+        (True, "truncated_bin", "optimizer.bin is truncated (no zip directory)"),
+        (True, "truncated_st", "adapter_model.safetensors is truncated"),
+        (True, "tmp", "pytorch_model_fsdp.bin.tmp is an unfinished write"),
+    ],
+)
+def test_incomplete_reasons(tmp_path, state, weights, reason):
+    path = _checkpoint(tmp_path / "checkpoint-4", state=state)
+    if weights == "truncated_bin":
+        data = open(os.path.join(path, "optimizer.bin"), "rb").read()
+        open(os.path.join(path, "optimizer.bin"), "wb").write(data[: len(data) // 2])
+    elif weights == "truncated_st":
+        data = open(os.path.join(path, "adapter_model.safetensors"), "rb").read()
+        open(os.path.join(path, "adapter_model.safetensors"), "wb").write(data[:-8])
+    elif weights == "tmp":
+        open(os.path.join(path, "pytorch_model_fsdp.bin.tmp"), "wb").write(b"PK")
+    assert checkpoint.incomplete(path) == reason
+    assert checkpoint.incomplete(_checkpoint(tmp_path / "checkpoint-2")) is None
+
+
+def test_explicit_incomplete_resume_refused(base, tmp_path):
+    out = tmp_path / "out"
+    good = _checkpoint(out / "checkpoint-2")
+    bad = _checkpoint(out / "checkpoint-4", state=False)
+    with pytest.raises(LigerFsdpConfigError) as err:
+        _train_args(dict(base, resume_from_checkpoint=bad))
+    assert str(err.value) == (
+        f"`resume_from_checkpoint: {bad}` is an incomplete checkpoint: no trainer_state.json (the Trainer writes it "
+        f"last). The run that wrote it was interrupted while saving. Fix: point `resume_from_checkpoint` at a complete "
+        f"one (newest: {good})."
+    )
+
+
+def test_auto_resume_skips_incomplete(base, tmp_path, capsys):
+    out = tmp_path / "out"
+    _checkpoint(out / "checkpoint-2")
+    good = _checkpoint(out / "checkpoint-4")
+    bad = _checkpoint(out / "checkpoint-6", state=False)
+    _, _, training_args, *_ = _train_args(dict(base))  # LLaMA-Factory picks checkpoint-6 by itself
+    assert training_args.resume_from_checkpoint == good
+    assert (
+        f"[liger_fsdp] resume: skipping incomplete {bad} (no trainer_state.json (the Trainer writes it last)); "
+        f"resuming from {good}" in capsys.readouterr().err
+    )
+
+
+def test_auto_resume_with_nothing_complete_refused(base, tmp_path):
+    out = tmp_path / "out"
+    bad = _checkpoint(out / "checkpoint-2", state=False)
+    with pytest.raises(LigerFsdpConfigError, match=r"^`output_dir` .* holds no complete checkpoint to resume from") as err:
+        _train_args(dict(base))
+    assert f"({bad}: no trainer_state.json" in str(err.value)
+    assert str(err.value).endswith(
+        "Fix: delete the incomplete checkpoint-* directories, or set `overwrite_output_dir: true` to start over."
+    )
+
+
+def test_without_flag_nothing_changes(base, tmp_path):
+    out = tmp_path / "out"
+    _checkpoint(out / "checkpoint-2")
+    bad = _checkpoint(out / "checkpoint-4", state=False)
+    _, _, training_args, *_ = _train_args(dict(base, liger_fsdp=False))
+    assert training_args.resume_from_checkpoint == bad  # LLaMA-Factory's own choice, untouched
+
+
+@pytest.mark.parametrize(
+    "key, text",
+    [
+        ("use_mca", "`liger_fsdp: true` does not work with `use_mca: true`: Megatron-Core (mcore_adapter) builds its "
+         "own model and loss, so there is no Hugging Face head to fuse. Fix: set `use_mca: false` or remove `liger_fsdp`."),
+        ("use_kt", "`liger_fsdp: true` does not work with `use_kt: true`: KTransformers replaces the model's modules "
+         "and forward. Fix: set `use_kt: false` or remove `liger_fsdp`."),
+    ],
+)
+def test_incompatible_backends(key, text):
+    from types import SimpleNamespace
+
+    from llamafactory_liger_fsdp import config
+
+    model_args = SimpleNamespace(use_kt=key == "use_kt")
+    finetuning_args = SimpleNamespace(stage="sft", use_mca=key == "use_mca")
+    with pytest.raises(LigerFsdpConfigError) as err:
+        config.check_training_args(config.LigerFsdpConfig(enabled=True), model_args, SimpleNamespace(), finetuning_args)
+    assert str(err.value) == text

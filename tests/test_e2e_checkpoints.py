@@ -1,0 +1,241 @@
+"""Nothing lost: checkpoints, resume and export of a LoRA + embed_tokens/lm_head run with
+`liger_fsdp: true`, through real `llamafactory-cli` runs on 2 CPU ranks under FSDP2 (gloo).
+
+FSDP1 is not covered here: on CPU/gloo FSDP1 + PEFT modules_to_save cannot write any checkpoint
+(PEFT's save_pretrained issues a collective on rank 0 only; see tests/cpu_fsdp_shim), with or
+without the plugin.
+
+Every comparison is fp32 and relative: per-step losses rel <= 1e-5, logits ||a-b|| / ||b|| <= 1e-5.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from e2e_assets import FSDP2, base_yaml, build, run_cli, step_losses
+
+TOL = 1e-5
+SAVES = dict(save_strategy="steps", save_steps=2)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("assets"))
+
+
+def _yaml(assets, out, **kw):
+    return base_yaml(assets, out, liger_fsdp=True, **SAVES, **FSDP2, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory):
+    """The uninterrupted 6-step run (checkpoints at 2, 4, 6), with accelerate's default state-dict
+    type (the plugin picks FULL_STATE_DICT), and the trained sharded model's logits."""
+    out = tmp_path_factory.mktemp("runs") / "reference"
+    logits = out.parent / "reference_logits.pt"
+    rc, log, _ = run_cli(
+        _yaml(assets, out), nproc=2, extra_env={"FSDP_STATE_DICT_TYPE": None, "CPU_FSDP_SHIM_LOGITS": str(logits)}
+    )
+    assert rc == 0, log[-6000:]
+    assert "[liger_fsdp] FSDP2 + adapter: using fsdp_state_dict_type FULL_STATE_DICT" in log
+    assert "[liger_fsdp] engaged: head=modules_to_save (lm_head), fsdp=FSDP2" in log
+    losses = step_losses(out)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    for step in (2, 4, 6):
+        assert (out / f"checkpoint-{step}" / "trainer_state.json").is_file()
+    return out, losses, torch.load(logits)
+
+
+def _rel(a, b):
+    return (a - b).norm().item() / b.norm().item()
+
+
+def _assert_curve(losses, ref, steps):
+    assert sorted(losses) == list(steps), losses
+    worst = max(abs(losses[s] - ref[s]) / abs(ref[s]) for s in steps)
+    assert worst <= TOL, (losses, ref)
+    return worst
+
+
+def _copy_checkpoint(src: Path, out: Path) -> Path:
+    out.mkdir(parents=True)
+    shutil.copytree(src, out / src.name)
+    return out / src.name
+
+
+def test_resume_equals_uninterrupted(assets, reference, tmp_path):
+    ref_out, ref, _ = reference
+    out = tmp_path / "resumed"
+    ckpt = _copy_checkpoint(ref_out / "checkpoint-2", out)
+    rc, log, _ = run_cli(_yaml(assets, out, resume_from_checkpoint=str(ckpt)), nproc=2)
+    assert rc == 0, log[-6000:]
+    assert "Resuming training from checkpoint with epoch 0 and global step 2" in log
+    print("resume rel diff", _assert_curve(step_losses(out), ref, range(3, 7)))
+    # and the final adapter is the same
+    from safetensors.torch import load_file
+
+    a, b = load_file(out / "adapter_model.safetensors"), load_file(ref_out / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    assert max(_rel(a[k], b[k]) for k in a) <= TOL
+
+
+def _plain_peft_logits(assets, adapter_dir, ids):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def test_adapter_in_plain_peft_gives_trained_logits(assets, reference):
+    out, _, dumped = reference
+    logits = _plain_peft_logits(assets, out, dumped["input_ids"])
+    rel = _rel(logits, dumped["logits"])
+    print("plain PEFT vs sharded logits rel", rel)
+    assert rel <= TOL
+    # the trained head really moved: logits differ from the base model's
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(str(assets / "model")).eval()(input_ids=dumped["input_ids"]).logits
+    assert _rel(base, dumped["logits"]) > 1e-3
+
+
+def _export_logits(assets, out, tmp_path, ids):
+    """`llamafactory-cli export` (merge) of the adapter in ``out``; logits of the merged model."""
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    export_dir = tmp_path / "merged"
+    cfg = dict(
+        model_name_or_path=str(assets / "model"), adapter_name_or_path=str(out), template="llama3",
+        finetuning_type="lora", export_dir=str(export_dir), export_device="cpu", export_size=1,
+    )
+    path = tmp_path / "export.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    bindir = Path(sys.executable).parent
+    proc = subprocess.run(
+        [str(bindir / "llamafactory-cli"), "export", str(path)], capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    merged = AutoModelForCausalLM.from_pretrained(str(export_dir), dtype=torch.float32).eval()
+    assert not any("lora" in k for k in merged.state_dict())
+    with torch.no_grad():
+        return merged(input_ids=ids).logits.float()
+
+
+def test_export_merged_gives_trained_logits(assets, reference, tmp_path):
+    out, _, dumped = reference
+    rel = _rel(_export_logits(assets, out, tmp_path, dumped["input_ids"]), dumped["logits"])
+    print("merged export vs sharded logits rel", rel)
+    assert rel <= TOL
+
+
+def test_rank_killed_while_saving(assets, reference, tmp_path):
+    """Rank 0 dies (SIGKILL) while writing checkpoint-4, after weights and optimizer, before
+    trainer_state.json. The half-written checkpoint is refused when named, skipped when
+    LLaMA-Factory picks it by itself; the resumed curve equals the uninterrupted one."""
+    _, ref, _ = reference
+    out = tmp_path / "killed"
+    rc, log, _ = run_cli(_yaml(assets, out), nproc=2, extra_env={"CPU_FSDP_SHIM_KILL": "save:4:0"})
+    assert rc != 0 and "[cpu_fsdp_shim] killing rank 0 while saving checkpoint-4" in log
+    assert (out / "checkpoint-4" / "pytorch_model_fsdp.bin").is_file()
+    assert not (out / "checkpoint-4" / "trainer_state.json").exists()
+
+    rc, log, _ = run_cli(_yaml(assets, out, resume_from_checkpoint=str(out / "checkpoint-4")), nproc=2)
+    assert rc != 0
+    assert (
+        f"`resume_from_checkpoint: {out / 'checkpoint-4'}` is an incomplete checkpoint: no trainer_state.json "
+        f"(the Trainer writes it last). The run that wrote it was interrupted while saving. Fix: point "
+        f"`resume_from_checkpoint` at a complete one (newest: {out / 'checkpoint-2'})." in log
+    )
+
+    rc, log, _ = run_cli(_yaml(assets, out), nproc=2)  # same yaml again: LLaMA-Factory auto-resumes
+    assert rc == 0, log[-6000:]
+    assert f"[liger_fsdp] resume: skipping incomplete {out / 'checkpoint-4'}" in log
+    assert f"resuming from {out / 'checkpoint-2'}" in log
+    print("killed-in-save resume rel diff", _assert_curve(step_losses(out), ref, range(1, 7)))
+
+
+def test_rank_killed_mid_step(assets, reference, tmp_path):
+    """Rank 1 dies inside step 5: checkpoint-4 is complete and the auto-resume continues from it."""
+    _, ref, _ = reference
+    out = tmp_path / "killed_step"
+    rc, log, _ = run_cli(_yaml(assets, out), nproc=2, extra_env={"CPU_FSDP_SHIM_KILL": "step:5:1"})
+    assert rc != 0 and "[cpu_fsdp_shim] killing rank 1 in step 5" in log
+    rc, log, _ = run_cli(_yaml(assets, out), nproc=2)
+    assert rc == 0, log[-6000:]
+    assert "Resuming training from checkpoint with epoch 0 and global step 4" in log
+    assert "skipping incomplete" not in log
+    print("killed-mid-step resume rel diff", _assert_curve(step_losses(out), ref, range(1, 7)))
+
+
+def test_plain_fsdp2_checkpoint_resumes_with_plugin(assets, reference, tmp_path):
+    """A checkpoint written without the plugin (its pytorch_model_fsdp.bin holds only rank 0's
+    DTensor shards) resumes with it, from the checkpoint's full adapter_model.safetensors."""
+    _, ref, _ = reference
+    plain = tmp_path / "plain"
+    rc, log, _ = run_cli(base_yaml(assets, plain, **SAVES, **FSDP2, max_steps=2), nproc=2)
+    assert rc == 0, log[-6000:]
+    out = tmp_path / "plain_then_plugin"
+    ckpt = _copy_checkpoint(plain / "checkpoint-2", out)
+    rc, log, _ = run_cli(_yaml(assets, out, resume_from_checkpoint=str(ckpt)), nproc=2)
+    assert rc == 0, log[-6000:]
+    assert "holds only rank 0's FSDP2 shards (written without the plugin); loading the full adapter from" in log
+    print("plain->plugin FSDP2 resume rel diff", _assert_curve(step_losses(out), ref, range(3, 7)))
+
+
+def test_cross_resume_one_process(assets, tmp_path):
+    """Without FSDP (one process): plain -> plugin and plugin -> plain resumes equal the plain run."""
+    cfg = dict(**SAVES)
+    plain = tmp_path / "plain"
+    rc, log, _ = run_cli(base_yaml(assets, plain, **cfg))
+    assert rc == 0, log[-6000:]
+    ref = step_losses(plain)
+
+    plugin = tmp_path / "plugin"
+    ckpt = _copy_checkpoint(plain / "checkpoint-2", plugin)
+    rc, log, _ = run_cli(base_yaml(assets, plugin, liger_fsdp=True, resume_from_checkpoint=str(ckpt), **cfg))
+    assert rc == 0, log[-6000:]
+    assert "[liger_fsdp] engaged" in log
+    print("plain->plugin resume rel diff", _assert_curve(step_losses(plugin), ref, range(3, 7)))
+
+    back = tmp_path / "back"
+    ckpt = _copy_checkpoint(plugin / "checkpoint-4", back)
+    rc, log, _ = run_cli(base_yaml(assets, back, resume_from_checkpoint=str(ckpt), **cfg))
+    assert rc == 0, log[-6000:]
+    assert "[liger_fsdp]" not in log
+    print("plugin->plain resume rel diff", _assert_curve(step_losses(back), ref, range(5, 7)))
+
+
+def test_tied_embeddings_survive(tmp_path_factory, tmp_path):
+    """Qwen2 with tie_word_embeddings and both embed_tokens and lm_head trained (PEFT makes two
+    untied copies): resume, plain-PEFT load and merged export all keep the trained head."""
+    assets = build(tmp_path_factory.mktemp("tied_assets"), "--model-type", "qwen2", "--tied")
+    fsdp = dict(fsdp="full_shard auto_wrap", fsdp_config=dict(version=2, transformer_layer_cls_to_wrap="Qwen2DecoderLayer"))
+    ref_out = tmp_path / "ref"
+    logits_file = tmp_path / "logits.pt"
+    cfg = dict(liger_fsdp=True, max_steps=4, **SAVES, **fsdp)
+    rc, log, _ = run_cli(base_yaml(assets, ref_out, **cfg), nproc=2, extra_env={"CPU_FSDP_SHIM_LOGITS": str(logits_file)})
+    assert rc == 0, log[-6000:]
+    assert "[liger_fsdp] engaged: head=modules_to_save (lm_head), fsdp=FSDP2" in log
+    ref, dumped = step_losses(ref_out), torch.load(logits_file)
+
+    out = tmp_path / "resumed"
+    ckpt = _copy_checkpoint(ref_out / "checkpoint-2", out)
+    rc, log, _ = run_cli(base_yaml(assets, out, resume_from_checkpoint=str(ckpt), **cfg), nproc=2)
+    assert rc == 0, log[-6000:]
+    print("tied resume rel diff", _assert_curve(step_losses(out), ref, range(3, 5)))
+
+    rel_peft = _rel(_plain_peft_logits(assets, ref_out, dumped["input_ids"]), dumped["logits"])
+    rel_merged = _rel(_export_logits(assets, ref_out, tmp_path, dumped["input_ids"]), dumped["logits"])
+    print("tied plain PEFT / merged vs sharded logits rel", rel_peft, rel_merged)
+    assert rel_peft <= TOL and rel_merged <= TOL
