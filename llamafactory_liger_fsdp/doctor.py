@@ -107,6 +107,10 @@ def check_yaml(path: str) -> tuple[bool, list[str]]:
         fsdp = f"FSDP{int((training_args.fsdp_config or {}).get('version', 1))}"
     lines.append(f"will engage: head={kind}{' (tied embeddings)' if tied else ''}, fsdp={fsdp} (from the yaml; "
                  "accelerate configs are read at launch).")
+    if fsdp != "none":
+        sd = os.environ.get("FSDP_STATE_DICT_TYPE") or ("FULL_STATE_DICT" if fsdp == "FSDP1" else "SHARDED_STATE_DICT")
+        lines.append(f"checkpoints: state dict {sd}" + (
+            "; adapter checkpoints hold full tensors and resume on every rank." if sd == "FULL_STATE_DICT" else "."))
     return True, lines
 
 

@@ -66,7 +66,7 @@ def test_doctor_versions_and_hook():
 
 
 def test_doctor_will_engage(tmp_path):
-    from e2e_assets import base_yaml, build
+    from e2e_assets import FSDP2, base_yaml, build
 
     assets = build(tmp_path / "assets")
     on = tmp_path / "on.yaml"
@@ -74,6 +74,12 @@ def test_doctor_will_engage(tmp_path):
     rc, out = _doctor(str(on))
     assert rc == 0, out
     assert "will engage: head=modules_to_save" in out and "model type llama: supported" in out
+    fsdp2 = tmp_path / "fsdp2.yaml"
+    fsdp2.write_text(yaml.safe_dump(base_yaml(assets, tmp_path / "o5", liger_fsdp=True, **FSDP2)))
+    rc, out = _doctor(str(fsdp2))
+    assert rc == 0, out
+    assert "fsdp=FSDP2" in out
+    assert "checkpoints: state dict FULL_STATE_DICT; adapter checkpoints hold full tensors and resume on every rank." in out
     frozen = tmp_path / "frozen.yaml"
     frozen.write_text(yaml.safe_dump(base_yaml(assets, tmp_path / "o2", liger_fsdp=True, additional_target=None)))
     rc, out = _doctor(str(frozen))
