@@ -8,6 +8,8 @@ Three things break for a PEFT adapter trained under FSDP2 with the stack LLaMA-F
    PEFT's adapter state dict as-is -- FSDP2 *DTensors*, so ``pytorch_model_fsdp.bin`` holds only
    rank 0's shard of every tensor -- and ``load_fsdp_model`` gives every rank but 0 an empty dict,
    which PEFT's ``set_peft_model_state_dict`` rejects (``KeyError: ...embed_tokens.weight``).
+   (accelerate 1.15 fixed this one: full tensors via ``get_model_state_dict``; 2. and 3. are
+   transformers'/LLaMA-Factory's and remain.)
 2. **SHARDED_STATE_DICT (accelerate's FSDP2 default) saves no adapter at all**
    (``Trainer.save_model`` writes weights only for ``FULL_STATE_DICT``), and its resume loads no
    Adam moments (DCP loads into the empty state of a fresh optimizer): the loss curve after a
@@ -18,15 +20,19 @@ Three things break for a PEFT adapter trained under FSDP2 with the stack LLaMA-F
 
 What the plugin does, only when ``liger_fsdp: true``:
 
-* :func:`save_fsdp_model` / :func:`load_fsdp_model` replace accelerate's functions *as the Trainer
-  calls them* (``transformers.trainer`` binds them by name) for exactly one case -- FSDP2, PEFT
-  model, ``adapter_only``, ``FULL_STATE_DICT`` -- and delegate every other case unchanged. Save
-  gathers each adapter tensor (``DTensor.full_tensor``, all ranks) and rank 0 writes plain full
-  tensors atomically (temp file + ``os.replace``). Load reads the full tensors on every rank,
-  re-shards each like the live parameter (``distribute_tensor``, no communication) and hands them
-  to PEFT. A checkpoint written *without* the plugin (rank-0 DTensor shards) is read from the
-  checkpoint's own ``adapter_model.safetensors`` (full tensors, saved by ``Trainer.save_model``)
-  instead, with one log line -- so plain runs resume with the plugin.
+* :func:`make_save` / :func:`make_load` replace accelerate's ``save_fsdp_model`` /
+  ``load_fsdp_model`` *as the Trainer calls them* (``transformers.trainer`` binds them by name) for
+  exactly one case -- FSDP2, PEFT model, ``adapter_only``, ``FULL_STATE_DICT`` -- and delegate every
+  other case unchanged. Save: ``get_model_state_dict(full_state_dict, cpu_offload,
+  ignore_frozen_params)`` (full tensors of the trained parameters under the model's own names),
+  written by rank 0 atomically (temp file + ``os.replace``). That is the format accelerate itself
+  writes since it fixed this path (seen in 1.15, which uses the same call), so a plugin checkpoint
+  resumes without the plugin there. Load reads the full tensors on every rank and accepts all three
+  formats in the wild: model names (the plugin's, accelerate >= 1.15's) via
+  ``set_model_state_dict`` (each rank keeps its own shard, no communication); PEFT adapter keys; and
+  the broken rank-0 DTensor shards of accelerate <= 1.11 -- for those the checkpoint's own
+  ``adapter_model.safetensors`` (full tensors, written by ``Trainer.save_model``) is read instead,
+  with one log line. So plain runs resume with the plugin on either accelerate.
 * :func:`check_state_dict_type` (parse time): an adapter run under FSDP2 with no state-dict type
   chosen gets ``FULL_STATE_DICT`` (one log line says so and why); an explicit
   ``SHARDED_STATE_DICT`` with an adapter is one clear error (issue 2 above: nothing would be saved).
@@ -199,33 +205,39 @@ def _weights_name(model_index: int) -> str:
     return f"{FSDP_MODEL_NAME}.bin" if model_index == 0 else f"{FSDP_MODEL_NAME}_{model_index}.bin"
 
 
+def _full_options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
 def make_save(original):
     """Replacement for accelerate's ``save_fsdp_model`` (same signature; see module docstring)."""
 
-    def save_fsdp_model(fsdp_plugin, accelerator, model, output_dir, model_index=0, adapter_only=False):
+    def save_fsdp_model(fsdp_plugin, accelerator, model, output_dir, model_index=0, adapter_only=False, **kwargs):
         if not _handles(fsdp_plugin, model, adapter_only):
-            return original(fsdp_plugin, accelerator, model, output_dir, model_index=model_index, adapter_only=adapter_only)
+            return original(fsdp_plugin, accelerator, model, output_dir, model_index=model_index,
+                            adapter_only=adapter_only, **kwargs)
         import torch
-        from peft import get_peft_model_state_dict
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         os.makedirs(output_dir, exist_ok=True)
-        state = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
-        full = {}
-        for key, value in state.items():  # same order on every rank: full_tensor() is a collective
-            value = value.detach()
-            full[key] = (value.full_tensor() if isinstance(value, DTensor) else value).cpu()
+        # Full tensors of the trained parameters under the model's own names -- the format accelerate
+        # itself writes once fixed (>= 1.15), so these checkpoints resume without the plugin there.
+        # A collective on every rank; with cpu_offload only rank 0 receives the values.
+        state = get_model_state_dict(model, options=_full_options(cpu_offload=True, ignore_frozen_params=True))
         if accelerator.process_index == 0:
             target = os.path.join(output_dir, _weights_name(model_index))
             tmp = target + ".tmp"
-            torch.save(full, tmp)
+            torch.save(state, tmp)
             os.replace(tmp, target)
         accelerator.wait_for_everyone()
 
     return save_fsdp_model
 
 
-def _read_full_adapter(input_dir: str, model_index: int) -> tuple[dict, str]:
+def _read_full(input_dir: str, model_index: int, model: Any) -> tuple[str, dict, str]:
+    """The checkpoint's full trained tensors: ("model", {model name: tensor}) or ("peft", {adapter key: tensor})."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -233,7 +245,8 @@ def _read_full_adapter(input_dir: str, model_index: int) -> tuple[dict, str]:
     if os.path.isfile(path):
         state = torch.load(path, map_location="cpu", weights_only=True)
         if not any(isinstance(v, DTensor) for v in state.values()):
-            return state, path
+            trained = {n for n, p in model.named_parameters() if p.requires_grad}
+            return ("model" if trained & set(state) else "peft"), state, path
     fallback = os.path.join(input_dir, "adapter_model.safetensors")
     if os.path.isfile(fallback):
         from safetensors.torch import load_file
@@ -242,7 +255,7 @@ def _read_full_adapter(input_dir: str, model_index: int) -> tuple[dict, str]:
             f"[liger_fsdp] resume: {path} holds only rank 0's FSDP2 shards (written without the plugin); "
             f"loading the full adapter from {fallback} instead"
         )
-        return load_file(fallback, device="cpu"), fallback
+        return "peft", load_file(fallback, device="cpu"), fallback
     raise LigerFsdpConfigError(
         f"`resume_from_checkpoint: {input_dir}` has no full adapter weights: {path} holds only rank 0's FSDP2 shards "
         "(or is missing) and there is no adapter_model.safetensors. Fix: resume from a checkpoint written with "
@@ -250,36 +263,56 @@ def _read_full_adapter(input_dir: str, model_index: int) -> tuple[dict, str]:
     )
 
 
+def _mismatch(input_dir: str, source: str, what: str) -> LigerFsdpConfigError:
+    return LigerFsdpConfigError(
+        f"`resume_from_checkpoint: {input_dir}` does not match this model: {source} {what}. Fix: resume with the "
+        "same `lora_target` / `additional_target` / `lora_rank` as the run that wrote it."
+    )
+
+
 def make_load(original):
     """Replacement for accelerate's ``load_fsdp_model`` (same signature; see module docstring)."""
 
-    def load_fsdp_model(fsdp_plugin, accelerator, model, input_dir, model_index=0, adapter_only=False):
+    def load_fsdp_model(fsdp_plugin, accelerator, model, input_dir, model_index=0, adapter_only=False, **kwargs):
         if not _handles(fsdp_plugin, model, adapter_only):
-            return original(fsdp_plugin, accelerator, model, input_dir, model_index=model_index, adapter_only=adapter_only)
-        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+            return original(fsdp_plugin, accelerator, model, input_dir, model_index=model_index,
+                            adapter_only=adapter_only, **kwargs)
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         accelerator.wait_for_everyone()
-        saved, source = _read_full_adapter(input_dir, model_index)
+        style, saved, source = _read_full(input_dir, model_index, model)
+        if style == "model":
+            # every rank holds the full tensors: torch keeps each rank's own shard, no communication
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+            missing = sorted(set(trained) - set(saved))
+            if missing:
+                raise _mismatch(input_dir, source, f"lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+            for name, param in trained.items():
+                if tuple(saved[name].shape) != tuple(param.shape):
+                    raise _mismatch(input_dir, source, f"has {name} of shape {tuple(saved[name].shape)}, this model "
+                                    f"{tuple(param.shape)}")
+            result = set_model_state_dict(model, saved, options=_full_options(strict=False))
+            accelerator.wait_for_everyone()
+            return result
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
         live = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
         missing = sorted(set(live) - set(saved))
         if missing:
-            raise LigerFsdpConfigError(
-                f"`resume_from_checkpoint: {input_dir}` does not match this model: {source} lacks {missing[:3]}"
-                f"{' ...' if len(missing) > 3 else ''}. Fix: resume with the same `lora_target` / `additional_target` "
-                "/ `lora_rank` as the run that wrote it."
-            )
+            raise _mismatch(input_dir, source, f"lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
         ready = {}
         for key, like in live.items():
             value = saved[key].to(dtype=like.dtype)
             if tuple(value.shape) != tuple(like.shape):
-                raise LigerFsdpConfigError(
-                    f"`resume_from_checkpoint: {input_dir}`: {key} has shape {tuple(value.shape)} in the checkpoint "
-                    f"but {tuple(like.shape)} in this model. Fix: resume with the settings of the run that wrote it."
-                )
+                raise _mismatch(input_dir, source, f"has {key} of shape {tuple(value.shape)}, this model "
+                                f"{tuple(like.shape)}")
             if isinstance(like, DTensor):  # every rank holds the full tensor: keep its own shard, no communication
                 value = distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
             ready[key] = value
-        return set_peft_model_state_dict(model, ready, adapter_name=model.active_adapter)
+        result = set_peft_model_state_dict(model, ready, adapter_name=model.active_adapter)
+        accelerator.wait_for_everyone()
+        return result
 
     return load_fsdp_model
