@@ -1,10 +1,17 @@
 """Launch one LLaMA-Factory training (like llamafactory/launcher.py) with a timing/memory callback.
 
-    torchrun --nproc_per_node 1 bench/lf_bench_launch.py sft.yaml result.json
+    torchrun --nproc_per_node N bench/lf_bench_launch.py sft.yaml result.json
 
-Records per step: wall time (CUDA-synchronised) and torch.cuda.max_memory_allocated(); writes
-them and the per-step losses to result.json. The final save_model is skipped (benchmark only:
-writing multi-GB embed/head copies says nothing about the loss)."""
+Records per step, on every rank: wall time (device-synchronised) and
+``torch.cuda.max_memory_allocated()`` (0 on CPU), and the full-precision loss that
+``Trainer.training_step`` returned (the logged loss is rounded). Rank 0 writes them to result.json:
+``steps`` (rank 0's timings), ``losses`` (the logged, rounded ones), ``step_losses`` (per step, the
+mean over ranks of the exact micro-batch losses) and ``peak_mib_per_rank``. The final save_model is
+skipped (benchmark only: writing multi-GB embed/head copies says nothing about the loss).
+
+``LF_BENCH_LIGER_LOSS_ONLY=1`` (CPU smoke runs only): ``enable_liger_kernel`` then installs only
+Liger's fused loss -- its RMSNorm/RoPE/SwiGLU Triton kernels do not run under the CPU interpreter,
+and the failure being reproduced is in the fused loss alone."""
 
 import json
 import os
@@ -15,27 +22,60 @@ import torch
 from transformers import TrainerCallback
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_mib():
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
+
+
 class BenchCallback(TrainerCallback):
-    def __init__(self, out):
+    def __init__(self, out, micro_losses):
         self.out, self.steps, self.losses, self.t0 = out, [], [], None
+        self.micro_losses = micro_losses  # filled by the training_step wrapper
+        self.step_losses = []
 
     def on_step_begin(self, args, state, control, **kw):
-        torch.cuda.synchronize()
+        _sync()
         self.t0 = time.perf_counter()
+        self.micro_losses.clear()
 
     def on_step_end(self, args, state, control, **kw):
-        torch.cuda.synchronize()
-        self.steps.append({"s": time.perf_counter() - self.t0, "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
+        _sync()
+        self.steps.append({"s": time.perf_counter() - self.t0, "peak_mib": _peak_mib(),
                            "tokens_seen": int(getattr(state, "num_input_tokens_seen", 0) or 0)})
+        self.step_losses.append(sum(self.micro_losses))
 
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:
             self.losses.append(float(logs["loss"]))
 
     def on_train_end(self, args, state, control, **kw):
+        import torch.distributed as dist
+
+        mine = {"step_losses": self.step_losses, "peak_mib": max((s["peak_mib"] for s in self.steps), default=0.0)}
+        every = [mine]
+        if dist.is_available() and dist.is_initialized():
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
         if int(os.environ.get("RANK", "0")) == 0:
+            n = min(len(r["step_losses"]) for r in every)
             with open(self.out, "w") as f:
-                json.dump({"steps": self.steps, "losses": self.losses}, f)
+                json.dump({"steps": self.steps, "losses": self.losses,
+                           "step_losses": [sum(r["step_losses"][i] for r in every) / len(every) for i in range(n)],
+                           "peak_mib_per_rank": [r["peak_mib"] for r in every]}, f)
+
+
+def _liger_loss_only():
+    import functools
+
+    import liger_kernel.transformers as lt
+
+    for name in [n for n in getattr(lt, "__all__", dir(lt)) if n.startswith("apply_liger_kernel_to_")]:
+        fn = getattr(lt, name)  # the package exports these lazily (module __getattr__)
+        setattr(lt, name, functools.partial(fn, rope=False, rms_norm=False, swiglu=False))
 
 
 def main():
@@ -44,9 +84,20 @@ def main():
     import transformers.trainer
 
     transformers.trainer.Trainer.save_model = lambda self, *a, **k: None
+    micro = []
+    training_step = transformers.trainer.Trainer.training_step
+
+    def recording_step(self, *args, **kwargs):
+        loss = training_step(self, *args, **kwargs)
+        micro.append(float(loss.detach().float()))
+        return loss
+
+    transformers.trainer.Trainer.training_step = recording_step
+    if os.environ.get("LF_BENCH_LIGER_LOSS_ONLY") == "1":
+        _liger_loss_only()
     from llamafactory.train.tuner import run_exp
 
-    run_exp(callbacks=[BenchCallback(out)])
+    run_exp(callbacks=[BenchCallback(out, micro)])
 
 
 if __name__ == "__main__":

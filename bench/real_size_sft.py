@@ -25,9 +25,11 @@ MODELS = {
 }
 VARIANTS = {
     "plain": {},
+    "liger_fsdp_auto": {"liger_fsdp": True},  # the default backend (auto: triton_fast on CUDA, torch on CPU)
     "liger_fsdp": {"liger_fsdp": True, "liger_fsdp_backend": "triton"},
     "liger_fsdp_fast": {"liger_fsdp": True, "liger_fsdp_backend": "triton_fast"},
     "liger": {"enable_liger_kernel": True},
+    "liger+liger_fsdp": {"enable_liger_kernel": True, "liger_fsdp": True},  # Liger's other kernels, our loss
 }
 
 
@@ -53,18 +55,36 @@ def build(work, name, spec, layers):
     return mdir
 
 
-def run(mdir, spec, variant, steps, work):
-    out = os.path.join(work, f"{os.path.basename(mdir)}_{variant}")
+def _line(log, needle):
+    """The first log line holding ``needle``, from the needle on (tqdm shares lines with the log)."""
+    hit = next((l for l in log.splitlines() if needle in l), None)
+    return hit[hit.index(needle):].strip() if hit else None
+
+
+def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=16384, overrides=None, env=None, tag=None):
+    """One `llamafactory-cli train`-equivalent run (torchrun + bench/lf_bench_launch.py); returns its row.
+
+    ``overrides`` update the yaml (e.g. ``fsdp_config`` keys), ``env`` the environment (a value of
+    None removes a variable)."""
+    out = os.path.join(work, tag or f"{os.path.basename(mdir)}_{variant}")
+    fsdp_config = {"version": fsdp_version, "transformer_layer_cls_to_wrap": spec["layer"]}
+    if fsdp_version == 1:
+        fsdp_config.update(use_orig_params=True, sync_module_states=False)
     cfg = dict(
         model_name_or_path=os.path.join(mdir, "model"), stage="sft", do_train=True, finetuning_type="lora",
         lora_target="all", lora_rank=16, additional_target="embed_tokens,lm_head", dataset="tiny_alpaca",
-        dataset_dir=os.path.join(mdir, "data"), template="llama3", cutoff_len=16384, packing=True,
+        dataset_dir=os.path.join(mdir, "data"), template="llama3", cutoff_len=cutoff, packing=True,
         overwrite_cache=True, preprocessing_num_workers=4, output_dir=out, logging_steps=1, save_strategy="no",
         per_device_train_batch_size=1, gradient_accumulation_steps=1, learning_rate=1e-4, max_steps=steps,
         lr_scheduler_type="constant", bf16=True, include_num_input_tokens_seen=True, report_to="none", seed=0, flash_attn="sdpa",
-        fsdp="full_shard auto_wrap", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": spec["layer"]},
+        fsdp="full_shard auto_wrap", fsdp_config=fsdp_config,
         **VARIANTS[variant],
     )
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
     import yaml
 
     os.makedirs(out, exist_ok=True)
@@ -72,15 +92,22 @@ def run(mdir, spec, variant, steps, work):
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
     res_path = out + ".json"
-    env = dict(os.environ, FSDP_STATE_DICT_TYPE="FULL_STATE_DICT", DISABLE_VERSION_CHECK="1")
-    proc = subprocess.run(["torchrun", "--nproc_per_node", "1", os.path.join(ROOT, "bench", "lf_bench_launch.py"), path, res_path],
-                          capture_output=True, text=True, env=env, timeout=900)
+    if os.path.exists(res_path):
+        os.remove(res_path)
+    run_env = dict(os.environ, FSDP_STATE_DICT_TYPE="FULL_STATE_DICT", DISABLE_VERSION_CHECK="1")
+    for key, value in (env or {}).items():
+        if value is None:
+            run_env.pop(key, None)
+        else:
+            run_env[key] = value
+    proc = subprocess.run(["torchrun", "--nproc_per_node", str(nproc), os.path.join(ROOT, "bench", "lf_bench_launch.py"), path, res_path],
+                          capture_output=True, text=True, env=run_env, timeout=900)
     log = proc.stdout + proc.stderr
     with open(out + ".log", "w") as f:
         f.write(log)
-    row = {"model": os.path.basename(mdir), "variant": variant, "rc": proc.returncode,
-           "engaged": next((l.strip() for l in log.splitlines() if "[liger_fsdp] engaged" in l), None),
-           "memory_line": next((l.strip() for l in log.splitlines() if "[liger_fsdp] memory" in l), None)}
+    row = {"model": os.path.basename(mdir), "variant": variant, "log": out + ".log", "nproc": nproc, "fsdp_version": fsdp_version,
+           "tokens_per_gpu_step": cutoff, "rc": proc.returncode,
+           "engaged": _line(log, "[liger_fsdp] engaged"), "memory_line": _line(log, "[liger_fsdp] memory")}
     if proc.returncode != 0 or not os.path.exists(res_path):
         errs = [l for l in log.splitlines() if "Error" in l or "error:" in l]
         row["error"] = (errs[-1] if errs else log[-600:])[:400]
@@ -90,9 +117,12 @@ def run(mdir, spec, variant, steps, work):
     steps = res["steps"]
     times = [s["s"] for s in steps[1:]] or [s["s"] for s in steps]
     seen = [s["tokens_seen"] for s in steps]
-    per_step = (seen[-1] - seen[0]) / max(len(seen) - 1, 1) if seen[-1] else 16384
+    # tokens_seen counts every rank's tokens
+    per_step = (seen[-1] - seen[0]) / max(len(seen) - 1, 1) if seen[-1] else cutoff * nproc
     row.update(tokens_per_step=per_step, step_s=statistics.median(times), tokens_per_s=per_step / statistics.median(times),
-               peak_gib=max(s["peak_mib"] for s in res["steps"]) / 1024, losses=res["losses"])
+               tokens_per_s_per_gpu=per_step / statistics.median(times) / nproc,
+               peak_gib=max(s["peak_mib"] for s in res["steps"]) / 1024, losses=res["losses"],
+               step_losses=res.get("step_losses"), peak_gib_per_rank=[m / 1024 for m in res.get("peak_mib_per_rank", [])])
     return row
 
 
@@ -103,7 +133,7 @@ def main():
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="plain,liger_fsdp,liger_fsdp_fast,liger")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
     rows = []

@@ -3,6 +3,8 @@
 #   bash bench/run_h200.sh kernel   # real-size kernel checks + the FLCE benchmark + CPU parity tests on the image's newer stack
 #   bash bench/run_h200.sh sft      # real-size LLaMA-Factory SFT runs (bench/real_size_sft.py)
 #   bash bench/run_h200.sh all      # kernel benchmark + checks, then the SFT runs
+#   bash bench/run_h200.sh multi    # bench/multi_gpu_fsdp.py on every GPU of the machine (issue 6; on one GPU:
+#                                   # FSDP2 at world size 1, 20-step curves, as far as one GPU goes)
 # Wheels that the image lacks travel in .whl/ (see README "Benchmarks"); results go to $OUT (or bench/results).
 set -uo pipefail
 OUT=${OUT:-bench/results}
@@ -24,12 +26,22 @@ case "${1:-kernel}" in
     OUT=$OUT bash "$0" kernel-only
     OUT=$OUT bash "$0" sft
     ;;
-  sft)
+  sft|multi)
     # the plugin itself is pip-installed for real (its .pth hook must land in site-packages)
     python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/llamafactory_liger_fsdp-*.whl || exit 1
     install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
     export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
     python3 -c "import transformers,peft,accelerate,llamafactory;print(transformers.__version__,peft.__version__,accelerate.__version__,llamafactory.__version__)"
+    if [ "$1" = multi ]; then
+      nproc=$(nvidia-smi -L | wc -l)
+      if [ "$nproc" -ge 2 ]; then
+        args="--parts repro,curves,heads --fsdp 1,2"
+      else  # FSDP1 does not shard at world size 1, and nothing crashes there: FSDP2 only
+        args="--parts curves,heads --fsdp 2 --head-steps 20"
+      fi
+      timeout 560 python3 bench/multi_gpu_fsdp.py --nproc "$nproc" $args --out "$OUT/h200x${nproc}_fsdp.json" ${MULTI_ARGS:-} 2>&1 | tee "$OUT/multi.log"
+      exit 0
+    fi
     timeout 420 python3 bench/real_size_sft.py --out "$OUT/h200_sft.json" ${SFT_ARGS:-} 2>&1 | tee "$OUT/sft.log"
     tail -c 20000 /tmp/real_size/*_liger_fsdp.log > "$OUT/liger_fsdp_runs.log" 2>/dev/null
     ;;

@@ -1,0 +1,164 @@
+"""The seed's scenario on several GPUs (issue 6): LLaMA-Factory SFT, LoRA ``lora_target: all`` +
+``additional_target: embed_tokens,lm_head``, sharded over ``--nproc`` ranks.
+
+Parts (``--parts``, comma separated; every run is a real torchrun launch of LLaMA-Factory's
+``run_exp`` through ``bench/lf_bench_launch.py``):
+
+* ``repro``  -- without the plugin, ``enable_liger_kernel: true`` (Liger's fused loss), FSDP1
+  ``use_orig_params`` true and false: the original failure (the row records the error line); then
+  the same with ``liger_fsdp: true`` added, which trains.
+* ``curves`` -- the same model, ``--curve-steps`` steps (default 20) of ``--curve-tokens`` tokens
+  per GPU, plain loss vs ``liger_fsdp: true``, under FSDP1 and FSDP2: max rel diff of the per-step
+  losses (exact fp32 values from ``Trainer.training_step``, mean over ranks), tokens/s, peak memory
+  per GPU.
+* ``heads``  -- Llama-3-8B- and Qwen2.5-7B-shaped models (real heads, ``--layers`` decoder layers,
+  random weights) at 16k tokens per GPU, plain vs ``liger_fsdp``, FSDP2 and FSDP1.
+
+On GPUs (NCCL; NVLink multicast is switched off as the device README asks)::
+
+    python bench/multi_gpu_fsdp.py --nproc 2 --parts repro,curves --out bench/results/h200x2.json
+    python bench/multi_gpu_fsdp.py --nproc 2 --parts heads --out bench/results/h200x2.json   # appends
+
+On the CPU (2 gloo ranks, the tiny local model, ``tests/cpu_fsdp_shim``; what CI runs to keep the
+script working, and the CPU reproduction of the crash)::
+
+    python bench/multi_gpu_fsdp.py --cpu-smoke --parts repro,curves --out /tmp/smoke.json
+
+Rows are appended to ``--out`` (same part/model/variant/fsdp rows are replaced) and a table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from real_size_sft import MODELS, ROOT, build, run  # noqa: E402
+
+# Qwen2.5-7B's shape (untied head, vocab 152064) is the "Qwen2.5-shaped model" of the seed report
+REPRO_MODEL = "qwen2.5-7b"
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def cpu_assets(work):
+    """A tiny local Qwen2 (recipes/tiny_cpu/make_assets.py), and its spec. Qwen2, not Llama: Liger
+    0.8.5 redirects its fused loss through FSDP1 for Llama's head (not for Qwen2's, nor under FSDP2)."""
+    mdir = os.path.join(work, "tiny-qwen2")
+    if not os.path.exists(os.path.join(mdir, "model", "config.json")):
+        subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "tiny_cpu", "make_assets.py"), mdir,
+                        "--model-type", "qwen2"], check=True)
+    return mdir, {"layer": "Qwen2DecoderLayer"}
+
+
+def error_line(row):
+    """The line of the log that names the failure (the seed's message is a RuntimeError)."""
+    with open(row["log"]) as f:
+        tail = f.read()
+    for needle in ("size mismatch", "mixed torch.Tensor and DTensor", "is a view and its base", "RuntimeError", "Error"):
+        hits = [l.strip() for l in tail.splitlines() if needle in l]
+        if hits:
+            return hits[-1][:400]
+    return row.get("error")
+
+
+def max_rel(a, b):
+    n = min(len(a), len(b))
+    if n == 0:
+        return None
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a[:n], b[:n]))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--parts", default="repro,curves,heads")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "h200x2.json"))
+    ap.add_argument("--work", default="/tmp/multi_gpu")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--curve-steps", type=int, default=20)
+    ap.add_argument("--curve-tokens", type=int, default=4096)
+    ap.add_argument("--head-steps", type=int, default=6)
+    ap.add_argument("--head-tokens", type=int, default=16384)
+    ap.add_argument("--fsdp", default="1,2", help="FSDP versions for curves/heads")
+    ap.add_argument("--cpu-smoke", action="store_true", help="2 gloo ranks on the CPU, the tiny model, tiny steps")
+    args = ap.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    parts = args.parts.split(",")
+    versions = [int(v) for v in args.fsdp.split(",")]
+
+    env = dict(NCCL_ENV)
+    common = {}
+    if args.cpu_smoke:
+        # the test-only shim lets accelerate shard on CPU ranks; Liger's Triton kernels run interpreted
+        env.update(PYTHONPATH=os.pathsep.join(p for p in (os.path.join(ROOT, "tests", "cpu_fsdp_shim"), os.environ.get("PYTHONPATH")) if p),
+                   OMP_NUM_THREADS="1", TRITON_INTERPRET="1", CPU_FSDP_SHIM_SKIP_SAVE="1", LF_BENCH_LIGER_LOSS_ONLY="1")
+        common = dict(use_cpu=True, bf16=False, lora_rank=4, preprocessing_num_workers=1, learning_rate=1e-3,
+                      per_device_train_batch_size=2, packing=False)
+        repro_model = curve_model = cpu_assets(args.work)
+        head_models = [curve_model]
+        args.curve_tokens = args.head_tokens = 128
+        args.curve_steps, args.head_steps = min(args.curve_steps, 3), min(args.head_steps, 2)
+    else:
+        repro_model = curve_model = (build(args.work, REPRO_MODEL, MODELS[REPRO_MODEL], args.layers), MODELS[REPRO_MODEL])
+        head_models = [(build(args.work, name, spec, args.layers), spec) for name, spec in MODELS.items()] if "heads" in parts else []
+
+    rows = []
+
+    def go(part, model, variant, steps, tokens, fsdp_version, overrides=None, label=None):
+        mdir, spec = model
+        tag = f"{part}_{os.path.basename(mdir)}_{label or variant}_fsdp{fsdp_version}"
+        row = run(mdir, spec, variant, steps, args.work, nproc=args.nproc, fsdp_version=fsdp_version, cutoff=tokens,
+                  overrides={**common, **(overrides or {})}, env=env, tag=tag)
+        row.update(part=part, label=label or variant)
+        if row["rc"]:
+            row["error_line"] = error_line(row)
+        row.pop("log_tail", None)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "step_losses")}), flush=True)
+        return row
+
+    if "repro" in parts:
+        for orig in (True, False):
+            go("repro", repro_model, "liger", 2, args.curve_tokens, 1, overrides={"fsdp_config": {"use_orig_params": orig}},
+               label=f"liger_orig{str(orig).lower()}")
+        # the same run with the plugin on: trains (Liger's other kernels stay, its fused loss is bypassed)
+        go("repro", repro_model, "liger+liger_fsdp", 2, args.curve_tokens, 1, overrides={"fsdp_config": {"use_orig_params": True}})
+    compare = []
+    for part, models, steps, tokens in (("curves", [curve_model], args.curve_steps, args.curve_tokens),
+                                        ("heads", head_models, args.head_steps, args.head_tokens)):
+        if part not in parts:
+            continue
+        for model in models:
+            for version in versions:
+                plain = go(part, model, "plain", steps, tokens, version)
+                ours = go(part, model, "liger_fsdp_auto", steps, tokens, version, label="liger_fsdp")
+                if not plain["rc"] and not ours["rc"]:
+                    diff = max_rel(ours["step_losses"], plain["step_losses"])
+                    ours["max_rel_diff_vs_plain"] = diff
+                    compare.append((part, ours["model"], version, diff, plain, ours))
+
+    old = []
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            old = json.load(f)
+    key = lambda r: (r.get("part"), r.get("model"), r.get("label"), r.get("fsdp_version"), r.get("nproc"))
+    new_keys = {key(r) for r in rows}
+    merged = [r for r in old if key(r) not in new_keys] + rows
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(merged, f, indent=1)
+
+    print(f"\n{'part':7s} {'model':12s} {'run':16s} {'fsdp':>4s} {'tok/s':>9s} {'peak GiB/GPU':>14s}  note")
+    for r in rows:
+        peaks = "/".join(f"{p:.2f}" for p in r.get("peak_gib_per_rank") or []) or "-"
+        note = r.get("error_line") or ""
+        if r.get("max_rel_diff_vs_plain") is not None:
+            note = f"loss curve max rel diff vs plain {r['max_rel_diff_vs_plain']:.2e}"
+        print(f"{r['part']:7s} {r['model']:12s} {r['label']:16s} {r['fsdp_version']:4d} {r.get('tokens_per_s', 0):9.0f} {peaks:>14s}  {note[:110]}")
+
+
+if __name__ == "__main__":
+    main()
