@@ -2,8 +2,9 @@
 
     torchrun --nproc_per_node N bench/lf_bench_launch.py sft.yaml result.json
 
-Records per step, on every rank: wall time (device-synchronised) and
-``torch.cuda.max_memory_allocated()`` (0 on CPU), and the full-precision loss that
+Records per step, on every rank: wall time (device-synchronised), the peak of
+``torch.cuda.max_memory_allocated()`` so far (0 on CPU) and its peaks in forward+backward and in the
+optimizer step, and the full-precision loss that
 ``Trainer.training_step`` returned (the logged loss is rounded). Rank 0 writes them to result.json:
 ``steps`` (rank 0's timings), ``losses`` (the logged, rounded ones), ``step_losses`` (per step, the
 mean over ranks of the exact micro-batch losses) and ``peak_mib_per_rank``. The final save_model is
@@ -27,8 +28,13 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _peak_mib():
-    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
+def _peak_mib(reset=False):
+    if not torch.cuda.is_available():
+        return 0.0
+    peak = torch.cuda.max_memory_allocated() / 2**20
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return peak
 
 
 class BenchCallback(TrainerCallback):
@@ -36,15 +42,30 @@ class BenchCallback(TrainerCallback):
         self.out, self.steps, self.losses, self.t0 = out, [], [], None
         self.micro_losses = micro_losses  # filled by the training_step wrapper
         self.step_losses = []
+        self.run_peak = 0.0
+        self.phase = {}
 
     def on_step_begin(self, args, state, control, **kw):
         _sync()
+        self.run_peak = max(self.run_peak, _peak_mib(reset=True))
+        self.phase = {}
         self.t0 = time.perf_counter()
         self.micro_losses.clear()
 
+    # peak memory by phase: forward+backward (all micro-batches), then the optimizer step
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        self.phase["fwd_bwd_peak_mib"] = _peak_mib(reset=True)
+        self.run_peak = max(self.run_peak, self.phase["fwd_bwd_peak_mib"])
+
+    def on_optimizer_step(self, args, state, control, **kw):
+        self.phase["optimizer_peak_mib"] = _peak_mib(reset=True)
+        self.run_peak = max(self.run_peak, self.phase["optimizer_peak_mib"])
+
     def on_step_end(self, args, state, control, **kw):
         _sync()
-        self.steps.append({"s": time.perf_counter() - self.t0, "peak_mib": _peak_mib(),
+        elapsed = time.perf_counter() - self.t0
+        self.run_peak = max(self.run_peak, _peak_mib())
+        self.steps.append({"s": elapsed, "peak_mib": self.run_peak, **self.phase,
                            "tokens_seen": int(getattr(state, "num_input_tokens_seen", 0) or 0)})
         self.step_losses.append(sum(self.micro_losses))
 

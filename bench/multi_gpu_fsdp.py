@@ -151,13 +151,14 @@ def main():
     with open(args.out, "w") as f:
         json.dump(merged, f, indent=1)
 
-    print(f"\n{'part':7s} {'model':12s} {'run':16s} {'fsdp':>4s} {'tok/s':>9s} {'peak GiB/GPU':>14s}  note")
+    print(f"\n{'part':7s} {'model':12s} {'run':16s} {'fsdp':>4s} {'tok/s':>9s} {'peak GiB/GPU':>14s} {'fwd+bwd/opt':>12s}  note")
     for r in rows:
         peaks = "/".join(f"{p:.2f}" for p in r.get("peak_gib_per_rank") or []) or "-"
         note = r.get("error_line") or ""
         if r.get("max_rel_diff_vs_plain") is not None:
             note = f"loss curve max rel diff vs plain {r['max_rel_diff_vs_plain']:.2e}"
-        print(f"{r['part']:7s} {r['model']:12s} {r['label']:16s} {r['fsdp_version']:4d} {r.get('tokens_per_s', 0):9.0f} {peaks:>14s}  {note[:110]}")
+        phases = f"{r.get('fwd_bwd_peak_gib', 0):.2f}/{r.get('optimizer_peak_gib', 0):.2f}"
+        print(f"{r['part']:7s} {r['model']:12s} {r['label']:16s} {r['fsdp_version']:4d} {r.get('tokens_per_s', 0):9.0f} {peaks:>14s} {phases:>12s}  {note[:110]}")
 
 
 if __name__ == "__main__":
