@@ -51,9 +51,45 @@ def sft_table():
               f"{', '.join(f'{x:g}' for x in r['losses'])} |")
 
 
+def _bf16_ulp(x):
+    import math
+
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
+
+
+def fsdp_table(name):
+    """bench/multi_gpu_fsdp.py rows: per run tokens/s, peaks, and the curve against the plain run."""
+    path = os.path.join(HERE, name)
+    if not os.path.exists(path):
+        return
+    rows = json.load(open(path))
+    plain = {(r["part"], r["model"], r["fsdp_version"]): r for r in rows if r["label"] == "plain" and not r.get("rc")}
+    print("| part | model | run | FSDP | GPUs | tokens/GPU/step | steps | tokens/s/GPU | peak GiB/GPU | fwd+bwd / optimizer peak | loss curve vs plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r.get("rc"):
+            print(f"| {r['part']} | {r['model']} | {r['label']} | {r['fsdp_version']} | {r['nproc']} | | | failed: "
+                  f"`{(r.get('error_line') or '')[:90]}` ||||")
+            continue
+        curve = ""
+        ref = plain.get((r["part"], r["model"], r["fsdp_version"]))
+        if ref is not None and ref is not r:
+            ulps = [abs(a - b) / _bf16_ulp(b) for a, b in zip(r["step_losses"], ref["step_losses"])]
+            curve = (f"max rel {r['max_rel_diff_vs_plain']:.1e}; {sum(u == 0 for u in ulps)}/{len(ulps)} steps equal, "
+                     f"max {max(ulps):.0f} bf16 ulp")
+        peaks = "/".join(f"{p:.2f}" for p in r["peak_gib_per_rank"])
+        print(f"| {r['part']} | {r['model']} | {r['label']} | {r['fsdp_version']} | {r['nproc']} | {r['tokens_per_gpu_step']} | "
+              f"{len(r['step_losses'])} | {r['tokens_per_s_per_gpu']:.0f} | {peaks} | {r['fwd_bwd_peak_gib']:.2f} / "
+              f"{r['optimizer_peak_gib']:.2f} | {curve} |")
+
+
 if __name__ == "__main__":
     kernel_table()
     print()
     check_table()
     print()
     sft_table()
+    for name in sorted(os.listdir(HERE)):
+        if name.endswith("_fsdp.json"):
+            print(f"\n{name}:\n")
+            fsdp_table(name)
