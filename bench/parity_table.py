@@ -1,0 +1,80 @@
+"""The parity tables of the closing notes, on the CPU (fp32): the engaged model against the unfused one.
+
+    python bench/parity_table.py [--out bench/results/cpu_parity.json]
+
+* one process, every supported family x head kind: loss rel diff / max rel diff over every trainable
+  gradient (the checks of tests/test_single_parity.py, as numbers);
+* 2 gloo ranks, FSDP1 (flat and use_orig_params), FSDP2 and DDP against the unsharded single-process
+  unfused reference (tests/fsdp_worker.py, the worker tests/test_dist_parity.py runs): loss, gradients, and the
+  parameters after several optimizer steps, the max over both ranks.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+
+def single():
+    from tiny import FAMILY_CONFIGS, make_batch, rel, twin
+
+    from llamafactory_liger_fsdp import head
+
+    rows = []
+    for family in sorted(FAMILY_CONFIGS):
+        for kind in ("mts", "lora", "full"):
+            ref, cand = twin(family, kind)
+            ref.train(), cand.train()
+            head.engage(cand, backend="torch")
+            batch = make_batch()
+            out_ref, out = ref(**batch), cand(**batch)
+            loss = abs(out.loss.item() - out_ref.loss.item()) / abs(out_ref.loss.item())
+            out_ref.loss.backward(), out.loss.backward()
+            grad = max(rel(q.grad, p.grad) for (_, p), (_, q) in zip(ref.named_parameters(), cand.named_parameters())
+                       if p.requires_grad)
+            rows.append({"mode": "single", "case": f"{family}:{kind}", "loss_rel": loss, "grad_rel": grad})
+    return rows
+
+
+def sharded():
+    from test_dist_parity import CASES, DDP_CASES
+
+    rows = []
+    for mode in ("fsdp1_flat", "fsdp1_orig", "fsdp2", "ddp"):
+        cases = DDP_CASES if mode == "ddp" else CASES
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "out.json")
+            proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "fsdp_worker.py"), mode, out, *cases],
+                                  capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            if proc.returncode:
+                raise SystemExit(proc.stderr[-3000:])
+            ranks = json.load(open(out))
+        for case in cases:
+            per_rank = [{r["case"]: r for r in rank}[case] for rank in ranks]
+            rows.append({"mode": mode, "case": case, "loss_rel": max(r["loss_rel"] for r in per_rank),
+                         "grad_rel": max(max(r["grad_rels"].values()) for r in per_rank),
+                         "param_rel_after_steps": max(r["param_rels_after"] for r in per_rank)})
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "cpu_parity.json"))
+    args = ap.parse_args()
+    rows = single() + sharded()
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print("| mode | family:head | loss rel | max grad rel | params rel after steps |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        after = f"{r['param_rel_after_steps']:.1e}" if "param_rel_after_steps" in r else "-"
+        print(f"| {r['mode']} | {r['case']} | {r['loss_rel']:.1e} | {r['grad_rel']:.1e} | {after} |")
+
+
+if __name__ == "__main__":
+    main()
