@@ -394,11 +394,14 @@ def _rank0() -> bool:
 def _announce(causal_lm: nn.Module, plan: HeadPlan) -> None:
     from ._log import info_rank0
 
-    resolved = [wrapping.resolve(causal_lm, p)[0] for p in plan.weight_paths]
-    n_units = sum(len(u) for u in resolved)
+    units = list({id(u): u for p in plan.weight_paths for u in wrapping.resolve(causal_lm, p)[0]}.values())
     fsdp = wrapping.fsdp_version(causal_lm)
     backend = resolve_backend(plan.backend, causal_lm.get_output_embeddings().weight.device)
-    where = f"through {n_units} FSDP unit(s)" if n_units else ("inside the root unit" if fsdp != "none" else "unsharded")
+    if units:
+        names = wrapping.unit_names(causal_lm, units)
+        where = f"through {len(units)} FSDP unit(s) ({', '.join(names)})"
+    else:
+        where = "inside the root unit" if fsdp != "none" else "unsharded"
     info_rank0(
         f"[liger_fsdp] engaged: {plan.describe()}, fsdp={fsdp}, backend={backend}, model={plan.family.model_type}; "
         f"loss computed {where}"

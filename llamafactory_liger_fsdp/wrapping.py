@@ -155,6 +155,15 @@ def resolve(root: nn.Module, path: str) -> tuple[list[nn.Module], nn.Module]:
     return units, module
 
 
+def unit_names(root: nn.Module, units: list[nn.Module]) -> list[str]:
+    """Module paths of ``units`` as a user reads them (FSDP1/checkpoint wrapper levels left out)."""
+    wrappers = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+    names = {}
+    for name, module in root.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), ".".join(part for part in name.split(".") if part not in wrappers) or "<root>")
+    return [names.get(id(u), "?") for u in units]
+
+
 def entry_at(root: nn.Module, path: str) -> nn.Module:
     """The module to *call* for ``path``: the FSDP1 wrapper where one replaced the module, else the module."""
     parent_path, _, name = path.rpartition(".")
