@@ -37,6 +37,9 @@ def _peak_mib(reset=False):
     return peak
 
 
+PHASES: dict = {}  # forward / backward peaks of the current step (see main)
+
+
 class BenchCallback(TrainerCallback):
     def __init__(self, out, micro_losses):
         self.out, self.steps, self.losses, self.t0 = out, [], [], None
@@ -49,12 +52,16 @@ class BenchCallback(TrainerCallback):
         _sync()
         self.run_peak = max(self.run_peak, _peak_mib(reset=True))
         self.phase = {}
+        PHASES.clear()
         self.t0 = time.perf_counter()
         self.micro_losses.clear()
 
     # peak memory by phase: forward+backward (all micro-batches), then the optimizer step
     def on_pre_optimizer_step(self, args, state, control, **kw):
-        self.phase["fwd_bwd_peak_mib"] = _peak_mib(reset=True)
+        rest = _peak_mib(reset=True)  # since the last backward: gradient clipping
+        self.phase.update(PHASES)
+        PHASES.clear()
+        self.phase["fwd_bwd_peak_mib"] = max(rest, self.phase.get("forward_peak_mib", 0.0), self.phase.get("backward_peak_mib", 0.0))
         self.run_peak = max(self.run_peak, self.phase["fwd_bwd_peak_mib"])
 
     def on_optimizer_step(self, args, state, control, **kw):
@@ -114,6 +121,18 @@ def main():
         return loss
 
     transformers.trainer.Trainer.training_step = recording_step
+    # split the forward+backward peak: forward (to the loss) vs backward (accelerator.backward)
+    import accelerate
+
+    backward = accelerate.Accelerator.backward
+
+    def timed_backward(self, loss, **kwargs):
+        PHASES["forward_peak_mib"] = max(PHASES.get("forward_peak_mib", 0.0), _peak_mib(reset=True))
+        out = backward(self, loss, **kwargs)
+        PHASES["backward_peak_mib"] = max(PHASES.get("backward_peak_mib", 0.0), _peak_mib(reset=True))
+        return out
+
+    accelerate.Accelerator.backward = timed_backward
     if os.environ.get("LF_BENCH_LIGER_LOSS_ONLY") == "1":
         _liger_loss_only()
     from llamafactory.train.tuner import run_exp

@@ -124,7 +124,9 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
                peak_gib=max(s["peak_mib"] for s in res["steps"]) / 1024, losses=res["losses"],
                step_losses=res.get("step_losses"),
                fwd_bwd_peak_gib=max((s.get("fwd_bwd_peak_mib", 0) for s in steps), default=0) / 1024,
-               optimizer_peak_gib=max((s.get("optimizer_peak_mib", 0) for s in steps), default=0) / 1024, peak_gib_per_rank=[m / 1024 for m in res.get("peak_mib_per_rank", [])])
+               optimizer_peak_gib=max((s.get("optimizer_peak_mib", 0) for s in steps), default=0) / 1024,
+               forward_peak_gib=max((s.get("forward_peak_mib", 0) for s in steps), default=0) / 1024,
+               backward_peak_gib=max((s.get("backward_peak_mib", 0) for s in steps), default=0) / 1024, peak_gib_per_rank=[m / 1024 for m in res.get("peak_mib_per_rank", [])])
     return row
 
 
