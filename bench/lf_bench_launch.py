@@ -4,10 +4,10 @@
 
 Records per step, on every rank: wall time (device-synchronised), the peak of
 ``torch.cuda.max_memory_allocated()`` so far (0 on CPU) and its peaks in forward+backward and in the
-optimizer step, and the full-precision loss that
-``Trainer.training_step`` returned (the logged loss is rounded). Rank 0 writes them to result.json:
+optimizer step, and the loss that ``Trainer.training_step`` returned, unrounded (the logged loss
+is rounded to 4 digits; the returned one is fp32 on the CPU and already bf16 under FSDP2 + bf16). Rank 0 writes them to result.json:
 ``steps`` (rank 0's timings), ``losses`` (the logged, rounded ones), ``step_losses`` (per step, the
-mean over ranks of the exact micro-batch losses) and ``peak_mib_per_rank``. The final save_model is
+mean over ranks of the summed micro-batch losses) and ``peak_mib_per_rank``. The final save_model is
 skipped (benchmark only: writing multi-GB embed/head copies says nothing about the loss).
 
 ``LF_BENCH_LIGER_LOSS_ONLY=1`` (CPU smoke runs only): ``enable_liger_kernel`` then installs only

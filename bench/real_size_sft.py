@@ -122,11 +122,9 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
     row.update(tokens_per_step=per_step, step_s=statistics.median(times), tokens_per_s=per_step / statistics.median(times),
                tokens_per_s_per_gpu=per_step / statistics.median(times) / nproc,
                peak_gib=max(s["peak_mib"] for s in res["steps"]) / 1024, losses=res["losses"],
-               step_losses=res.get("step_losses"),
-               fwd_bwd_peak_gib=max((s.get("fwd_bwd_peak_mib", 0) for s in steps), default=0) / 1024,
-               optimizer_peak_gib=max((s.get("optimizer_peak_mib", 0) for s in steps), default=0) / 1024,
-               forward_peak_gib=max((s.get("forward_peak_mib", 0) for s in steps), default=0) / 1024,
-               backward_peak_gib=max((s.get("backward_peak_mib", 0) for s in steps), default=0) / 1024, peak_gib_per_rank=[m / 1024 for m in res.get("peak_mib_per_rank", [])])
+               step_losses=res.get("step_losses"), peak_gib_per_rank=[m / 1024 for m in res.get("peak_mib_per_rank", [])],
+               **{f"{phase}_peak_gib": max(s.get(f"{phase}_peak_mib", 0) for s in steps) / 1024
+                  for phase in ("fwd_bwd", "optimizer", "forward", "backward")})
     return row
 
 
