@@ -1,56 +1,105 @@
-"""The kernel seam against a float64 reference: loss and both gradients, every backend that runs here.
-
-The triton backend runs on the CPU under TRITON_INTERPRET=1 (set by tests/test_triton_interpret.py's
-subprocess); this file tests the torch backend in-process."""
+"""The kernel seam's API on every backend against ``F.cross_entropy`` in float64: reductions
+(mean/sum/none with any per-row grad_output), label smoothing, softcap, the per-row lse, ignored
+rows, bad labels, shape/dtype errors, autocast. Triton runs under TRITON_INTERPRET=1 (conftest)."""
 
 import pytest
 import torch
 
+from kernel_ref import OpLog, inputs, reference, rel, run
 from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
-from tiny import rel
+
+BACKENDS = ["torch", "triton", "triton_fast"]
 
 
-def reference(h, w, y, ignore_index=-100, reduction="mean", softcap=None):
-    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    z = h64 @ w64.t()
+def _grad_rows(n, seed=0):
+    """Per-row grad_output of every sign and size (preference losses weight rows arbitrarily)."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.randn(n, generator=g) * 3.0
+    c[::7] = 0.0
+    return c
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "reduction,label_smoothing,softcap",
+    [("mean", 0.0, None), ("sum", 0.1, None), ("none", 0.0, None), ("none", 0.2, 2.5), ("mean", 0.3, 2.5)],
+)
+def test_api_fp32_against_float64(backend, reduction, label_smoothing, softcap):
+    h, w, y = inputs(37, 24, 101, torch.float32, seed=1)
+    g = _grad_rows(37) if reduction == "none" else None
+    loss, dh, dw = run(fused_linear_cross_entropy, h, w, y, grad_rows=g, reduction=reduction,
+                       label_smoothing=label_smoothing, softcap=softcap, backend=backend)
+    ref_loss, ref_dh, ref_dw = reference(h, w, y, reduction=reduction, softcap=softcap,
+                                         label_smoothing=label_smoothing, grad_rows=g)
+    assert loss.dtype == torch.float32 and loss.shape == ref_loss.shape
+    assert rel(loss, ref_loss) <= 1e-6
+    if reduction == "none":
+        assert torch.all(loss[y == -100] == 0)
+    assert rel(dh, ref_dh) <= 1e-5 and rel(dw, ref_dw) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ignore_index_other_than_default(backend):
+    h, w, y = inputs(20, 16, 50, torch.float32, seed=2)
+    y[y == -100] = 7  # 7 is a real class id here, and also the ignore index
+    loss, dh, dw = run(fused_linear_cross_entropy, h, w, y, ignore_index=7, label_smoothing=0.1, backend=backend)
+    ref_loss, ref_dh, ref_dw = reference(h, w, y, ignore_index=7, label_smoothing=0.1)
+    assert rel(loss, ref_loss) <= 1e-6 and rel(dh, ref_dh) <= 1e-5 and rel(dw, ref_dw) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_return_lse(backend, softcap):
+    h, w, y = inputs(30, 16, 70, torch.float32, seed=4)
+    loss, lse = fused_linear_cross_entropy(h, w, y, reduction="none", softcap=softcap, return_lse=True,
+                                           backend=backend)
+    z = h.detach().double() @ w.detach().double().t()
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
-    loss = torch.nn.functional.cross_entropy(z, y, ignore_index=ignore_index, reduction="sum")
-    n = (y != ignore_index).sum().clamp(min=1)
-    if reduction == "mean":
-        loss = loss / n
-    loss.backward()
-    return loss.detach(), h64.grad, w64.grad
+    ref = torch.where(y != -100, torch.logsumexp(z, dim=1), 0.0)
+    assert lse.dtype == torch.float32 and lse.shape == (30,) and not lse.requires_grad
+    assert torch.all(lse[y == -100] == 0) and rel(lse, ref) <= 1e-6
+    scalar = fused_linear_cross_entropy(h, w, y, backend=backend)  # default: a scalar, no lse
+    assert scalar.dim() == 0
 
 
-def inputs(n, h, v, dtype, seed=0, ignore=0.25):
-    g = torch.Generator().manual_seed(seed)
-    hidden = (torch.randn(n, h, generator=g) / h**0.25).to(dtype).requires_grad_()
-    weight = (torch.randn(v, h, generator=g) / h**0.25).to(dtype).requires_grad_()
-    y = torch.randint(0, v, (n,), generator=g)
-    y[torch.rand(n, generator=g) < ignore] = -100
-    return hidden, weight, y
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored_is_finite_and_zero_grad(backend, reduction):
+    h, w, y = inputs(9, 8, 11, torch.float32)
+    y[:] = -100
+    loss, dh, dw = run(fused_linear_cross_entropy, h, w, y, reduction=reduction, label_smoothing=0.1,
+                       backend=backend)
+    assert torch.all(loss == 0) and torch.all(dh == 0) and torch.all(dw == 0)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("softcap", [None, 2.5])
-@pytest.mark.parametrize("shape", [(37, 48, 101), (64, 32, 300), (5, 16, 7)])
-def test_torch_fp32(shape, softcap, reduction):
-    h, w, y = inputs(*shape, torch.float32)
-    loss = fused_linear_cross_entropy(h, w, y, reduction=reduction, softcap=softcap, backend="torch")
-    loss.backward()
-    ref_loss, ref_dh, ref_dw = reference(h, w, y, reduction=reduction, softcap=softcap)
-    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
-    assert rel(h.grad, ref_dh) <= 1e-5 and rel(w.grad, ref_dw) <= 1e-5
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [11, 12, -1, -101, 10**9])
+def test_bad_label_raises_before_any_kernel(backend, bad):
+    h, w, y = inputs(9, 8, 11, torch.float32)
+    y[3] = bad
+    y[5] = bad
+    with OpLog() as log, pytest.raises(ValueError) as err:
+        fused_linear_cross_entropy(h, w, y, backend=backend)
+    msg = str(err.value)
+    assert f"label {bad} " in msg and "V=11" in msg and "2 such label" in msg
+    assert not any(name in ("aten.mm", "aten.addmm", "aten.gather", "aten.index_select") for name in log.names)
+
+
+def test_other_negative_ignore_index():
+    h, w, y = inputs(9, 8, 11, torch.float32)
+    y[y == -100] = -1
+    loss = fused_linear_cross_entropy(h, w, y, ignore_index=-1, backend="torch")  # -1 ignored, no error
+    assert rel(loss, reference(h, w, y, ignore_index=-1)[0]) <= 1e-6
 
 
 def test_torch_chunking_is_exact():
     from llamafactory_liger_fsdp.ops.torch_flce import fused_linear_cross_entropy_torch
 
     h, w, y = inputs(50, 16, 40, torch.float32)
-    a = fused_linear_cross_entropy_torch(h, w, y, chunk_rows=7)
+    a = fused_linear_cross_entropy_torch(h, w, y, chunk_rows=7, label_smoothing=0.1)
     ga = torch.autograd.grad(a, (h, w))
-    b = fused_linear_cross_entropy_torch(h, w, y, chunk_rows=1000)
+    b = fused_linear_cross_entropy_torch(h, w, y, chunk_rows=1000, label_smoothing=0.1)
     gb = torch.autograd.grad(b, (h, w))
     assert abs(a.item() - b.item()) <= 1e-6 * b.item()
     assert rel(ga[0], gb[0]) <= 1e-6 and rel(ga[1], gb[1]) <= 1e-6
@@ -59,39 +108,35 @@ def test_torch_chunking_is_exact():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_torch_low_precision(dtype):
     h, w, y = inputs(64, 64, 257, dtype)
-    loss = fused_linear_cross_entropy(h, w, y, backend="torch")
-    loss.backward()
+    loss, dh, dw = run(fused_linear_cross_entropy, h, w, y, backend="torch")
     ref_loss, ref_dh, ref_dw = reference(h, w, y)
-    assert h.grad.dtype == dtype and w.grad.dtype == dtype
+    assert dh.dtype == dtype and dw.dtype == dtype
     assert abs(loss.item() - ref_loss.item()) <= 1e-2 * ref_loss.item()
-    assert rel(h.grad, ref_dh) <= 1e-2 and rel(w.grad, ref_dw) <= 1e-2
+    assert rel(dh, ref_dh) <= 1e-2 and rel(dw, ref_dw) <= 1e-2
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_all_ignored_is_finite_and_zero_grad(reduction):
-    h, w, y = inputs(9, 8, 11, torch.float32)
-    y[:] = -100
-    loss = fused_linear_cross_entropy(h, w, y, reduction=reduction, backend="torch")
-    loss.backward()
-    assert loss.item() == 0.0
-    assert torch.all(h.grad == 0) and torch.all(w.grad == 0)
-
-
-def test_only_needed_grads():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_only_needed_grads(backend):
     h, w, y = inputs(9, 8, 11, torch.float32)
     w.requires_grad_(False)
-    fused_linear_cross_entropy(h, w, y, backend="torch").backward()
+    fused_linear_cross_entropy(h, w, y, backend=backend).backward()
     assert h.grad is not None and w.grad is None
 
 
-def test_shape_and_dtype_errors():
+def test_argument_errors():
     h, w, y = inputs(9, 8, 11, torch.float32)
     with pytest.raises(ValueError, match="shapes do not match"):
         fused_linear_cross_entropy(h, w[:, :4], y)
     with pytest.raises(TypeError, match="hidden is torch.float32 but weight is torch.bfloat16"):
         fused_linear_cross_entropy(h, w.bfloat16(), y)
     with pytest.raises(ValueError, match="reduction must be one of"):
-        fused_linear_cross_entropy(h, w, y, reduction="none")
+        fused_linear_cross_entropy(h, w, y, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        fused_linear_cross_entropy(h, w, y, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="labels must be integers"):
+        fused_linear_cross_entropy(h, w, y.float())
+    with pytest.raises(ValueError, match="backend must be one of"):
+        fused_linear_cross_entropy(h, w, y, backend="cuda")
 
 
 def test_autocast_casts_like_linear():

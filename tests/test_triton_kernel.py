@@ -1,90 +1,204 @@
-"""The real Triton kernel (CPU, TRITON_INTERPRET=1 from conftest) against a float64 reference:
-shapes that are no multiple of any tile, softcap, both reductions, every loop path of the tiling,
-fp32/bf16/fp16 inputs, all-ignored batches, determinism."""
+"""The real Triton kernel (CPU, TRITON_INTERPRET=1 from conftest) against a float64 reference and
+against plain torch on the same inputs: every loop path of the tiling, exactness in bf16/fp16,
+large logits, the memory the lean path really allocates, the forward-only path, determinism.
+
+Bounds chosen for the low-precision tests (CPU; plain torch = logits from one matmul in the input
+dtype, fp32 loss, autograd): the returned dX/dW are rounded to bf16/fp16 once, so no kernel can
+beat ``floor = rel(ref.to(dtype), ref)``; ours must stay within 5% of it. On the CPU plain torch
+is 1.1-1.5x that floor in general (its CPU bf16 GEMMs reduce in fp32), so "0.6x plain torch" is
+asserted where plain torch carries the errors this kernel removes: ``1/n_valid`` rounded into dz
+(n_valid = 255), small probabilities underflowing in fp16, and per-row grad_output rounded into
+dz's target entry."""
 
 import pytest
 import torch
 
+from kernel_ref import LiveBytes, inputs, plain_torch, reference, rel, run
 from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
-from llamafactory_liger_fsdp.ops.triton_flce import fused_linear_cross_entropy_triton, plan_tiles
-from test_ops import inputs, reference
-from tiny import rel
+from llamafactory_liger_fsdp.ops import triton_flce
+from llamafactory_liger_fsdp.ops.triton_flce import fused_linear_cross_entropy_triton, lean_bytes, plan_tiles
 
-TILES = [None, (7, 16, 5), (64, 64, 9), (3, 1000, 100)]  # None: planned; others reach R<N_v / many slabs
+TILES = [None, (7, 16, 5), (64, 64, 9), (3, 1000, 100)]  # (c, v_s, R): None planned; others: R < N_v, many slabs
+
+
+def _triton(h, w, y, **kw):
+    return fused_linear_cross_entropy_triton(h, w, y, **kw)
 
 
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("tiles", TILES)
-@pytest.mark.parametrize("softcap", [None, 2.5])
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_fp32_exact(tiles, softcap, reduction, fast):
+@pytest.mark.parametrize(
+    "reduction,softcap,label_smoothing", [("mean", None, 0.0), ("sum", 2.5, 0.0), ("none", 2.5, 0.1), ("mean", None, 0.2)]
+)
+def test_fp32_every_tiling(tiles, reduction, softcap, label_smoothing, fast):
     h, w, y = inputs(53, 24, 203, torch.float32, seed=3)
-    loss = fused_linear_cross_entropy_triton(h, w, y, reduction=reduction, softcap=softcap, tiles=tiles, fast=fast)
-    loss.backward()
-    ref_loss, ref_dh, ref_dw = reference(h, w, y, reduction=reduction, softcap=softcap)
-    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
-    assert rel(h.grad, ref_dh) <= 1e-5 and rel(w.grad, ref_dw) <= 1e-5
+    g = torch.randn(53, generator=torch.Generator().manual_seed(1)) if reduction == "none" else None
+    loss, dh, dw = run(_triton, h, w, y, grad_rows=g, reduction=reduction, softcap=softcap,
+                       label_smoothing=label_smoothing, tiles=tiles, fast=fast)
+    ref_loss, ref_dh, ref_dw = reference(h, w, y, reduction=reduction, softcap=softcap,
+                                         label_smoothing=label_smoothing, grad_rows=g)
+    assert rel(loss, ref_loss) <= 1e-6
+    assert rel(dh, ref_dh) <= 1e-6 and rel(dw, ref_dw) <= 1e-6
+
+
+def _errors(dtype, shape, reduction, backend, seed=5, ignore=0.25, scale=1.0, grad_rows=None, label_smoothing=0.0):
+    h, w, y = inputs(*shape, dtype, seed=seed, ignore=ignore, scale=scale)
+    kw = dict(reduction=reduction, grad_rows=grad_rows, label_smoothing=label_smoothing)
+    ref_loss, ref_dh, ref_dw = reference(h, w, y, **kw)
+    loss, dh, dw = run(fused_linear_cross_entropy, h, w, y, backend=backend, **kw)
+    _, t_dh, t_dw = plain_torch(h, w, y, **kw)
+    assert dh.dtype == dtype and dw.dtype == dtype
+    assert rel(loss, ref_loss) <= 1e-6  # fp32 logits and accumulation
+    return {
+        "ours": (rel(dh, ref_dh), rel(dw, ref_dw)),
+        "floor": (rel(ref_dh.to(dtype), ref_dh), rel(ref_dw.to(dtype), ref_dw)),
+        "torch": (rel(t_dh, ref_dh), rel(t_dw, ref_dw)),
+    }
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton_fast"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(96, 64, 1000), (61, 40, 509)])
-def test_low_precision(dtype, shape, backend):
-    h, w, y = inputs(*shape, dtype, seed=5)
-    loss = fused_linear_cross_entropy(h, w, y, backend=backend)
-    loss.backward()
-    ref_loss, ref_dh, ref_dw = reference(h, w, y)
-    assert h.grad.dtype == dtype and w.grad.dtype == dtype
-    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()  # fp32 logits and accumulation
-    tol = 4e-3 if dtype == torch.bfloat16 else 1e-3
-    assert rel(h.grad, ref_dh) <= tol and rel(w.grad, ref_dw) <= tol
+@pytest.mark.parametrize("case", ["mean", "sum", "none", "smooth"])
+def test_low_precision_at_the_rounding_floor(dtype, case, backend):
+    """dX, dW within 5% of the error of rounding the float64 gradient itself, and below plain torch's
+    (for "none", grad_output per row in [0.1, 3.1))."""
+    g = torch.rand(96, generator=torch.Generator().manual_seed(0)) * 3 + 0.1 if case == "none" else None
+    e = _errors(dtype, (96, 64, 1000), "mean" if case == "smooth" else case, backend, grad_rows=g,
+                label_smoothing=0.1 if case == "smooth" else 0.0)
+    for ours, floor, plain in zip(e["ours"], e["floor"], e["torch"]):
+        assert ours <= 1.05 * floor and ours <= plain, e
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton_fast"])
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_all_ignored(reduction, backend):
-    h, w, y = inputs(9, 8, 11, torch.float32)
-    y[:] = -100
-    loss = fused_linear_cross_entropy(h, w, y, reduction=reduction, backend=backend)
-    loss.backward()
-    assert torch.isfinite(loss) and loss.item() == 0.0
-    assert torch.all(h.grad == 0) and torch.all(w.grad == 0)
+@pytest.mark.parametrize(
+    "dtype,shape,reduction,ignore,scale",
+    [
+        (torch.bfloat16, (255, 32, 512), "mean", 0.0, 1.0),  # 1/255 is 0.4% off in bf16: plain torch's dz carries it
+        (torch.float16, (600, 16, 2000), "mean", 0.0, 1.5),  # p / n_valid underflows in fp16 in plain torch
+    ],
+)
+def test_at_most_0_6_of_plain_torch(dtype, shape, reduction, ignore, scale, backend):
+    e = _errors(dtype, shape, reduction, backend, seed=2, ignore=ignore, scale=scale)
+    for ours, floor, plain in zip(e["ours"], e["floor"], e["torch"]):
+        assert ours <= 0.6 * plain and ours <= 1.05 * floor, e
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("tiles", [None, (32, 512, 64)])
+def test_large_logits_fp32(tiles, fast):
+    """Logits of std ~100: forward and backward see bitwise the same logits (same GEMM tiles), and
+    softmax = exp(z - max) / sum as torch computes it; within 1.2x of fp32 plain torch (issue: 2x)."""
+    h, w, y = inputs(200, 64, 3000, torch.float32, seed=1, scale=100.0)
+    ref_loss, ref_dh, ref_dw = reference(h, w, y)
+    t_loss, t_dh, t_dw = plain_torch(h, w, y)
+    loss, dh, dw = run(_triton, h, w, y, tiles=tiles, fast=fast)
+    assert rel(loss, ref_loss) <= 1.2 * rel(t_loss, ref_loss) + 1e-7
+    assert rel(dh, ref_dh) <= 1.2 * rel(t_dh, ref_dh) and rel(dw, ref_dw) <= 1.2 * rel(t_dw, ref_dw)
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_fast"])
+def test_grad_output_rounded_once(backend):
+    """grad_output 3.7 (3.703125 in bf16) multiplies the fp32 gradients before their one rounding."""
+    h, w, y = inputs(96, 64, 1000, torch.bfloat16, seed=6)
+    ref_loss, ref_dh, ref_dw = reference(h, w, y)
+    h.grad = w.grad = None
+    (3.7 * fused_linear_cross_entropy(h, w, y, backend=backend)).backward()
+    for got, ref in ((h.grad, 3.7 * ref_dh), (w.grad, 3.7 * ref_dw)):
+        assert rel(got, ref) <= 1.05 * rel(ref.to(torch.bfloat16), ref)
 
 
 def test_no_ignored_and_single_row():
     for n in (1, 17):
         h, w, y = inputs(n, 16, 33, torch.float32, ignore=0.0)
-        y[y < 0] = 0
-        loss = fused_linear_cross_entropy(h, w, y, backend="triton")
-        loss.backward()
+        loss, dh, dw = run(fused_linear_cross_entropy, h, w, y, backend="triton")
         ref_loss, ref_dh, ref_dw = reference(h, w, y)
-        assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
-        assert rel(h.grad, ref_dh) <= 1e-5 and rel(w.grad, ref_dw) <= 1e-5
+        assert rel(loss, ref_loss) <= 1e-6 and rel(dh, ref_dh) <= 1e-6 and rel(dw, ref_dw) <= 1e-6
 
 
-def test_deterministic():
+@pytest.mark.parametrize("fast", [False, True])
+def test_deterministic_and_retain_graph(fast):
     outs = []
     for _ in range(2):
         h, w, y = inputs(40, 32, 300, torch.bfloat16, seed=9)
-        loss = fused_linear_cross_entropy_triton(h, w, y, tiles=(16, 64, 16))
-        loss.backward()
+        loss = _triton(h, w, y, tiles=(16, 64, 16), fast=fast)
+        loss.backward(retain_graph=True)
+        first = (h.grad.clone(), w.grad.clone())
+        h.grad = w.grad = None
+        loss.backward()  # the saved fp32 gradients are not consumed by the first backward
+        assert torch.equal(first[0], h.grad) and torch.equal(first[1], w.grad)
         outs.append((loss.detach(), h.grad, w.grad))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
-def test_plan_respects_budget():
-    # the real shapes of the benchmark, 25% ignored
-    for n, h, v in [(8192, 4096, 128256), (16384, 4096, 128256), (16384, 3584, 152064)]:
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_lean_memory_within_budget(monkeypatch, reduction):
+    """Live bytes the lean forward and backward really allocate (every aten op's new storages, the
+    returned gradients excluded), under a budget that forces small tiles: within the budget."""
+    n, h_dim, v = 300, 32, 1000
+    h, w, y = inputs(n, h_dim, v, torch.bfloat16, seed=7)
+    n_valid = int((y != -100).sum())
+    monkeypatch.setattr(triton_flce, "MIN_TILE", 16)
+    budget = lean_bytes(n_valid, h_dim, 128, 64, need_h=True, need_w=True, gather=True, row_scaled=reduction == "none")
+    v_s, r = plan_tiles(n_valid, h_dim, v, row_scaled=reduction == "none", mem_budget=budget)
+    assert v_s < v and r < n_valid  # the budget does constrain the tiles
+    g = torch.rand(n) + 0.5 if reduction == "none" else None
+    fwd, bwd = LiveBytes(), LiveBytes()
+    fwd.emulate_gpu(monkeypatch, triton_flce)
+    with fwd:
+        loss = fused_linear_cross_entropy_triton(h, w, y, reduction=reduction, mem_budget=budget)
+    bwd.emulate_gpu(monkeypatch, triton_flce)
+    with bwd:
+        loss.backward(g)
+    assert 0 < fwd.peak() <= budget
+    assert 0 < bwd.peak(exclude=(h.grad, w.grad)) <= budget, (bwd.peak(exclude=(h.grad, w.grad)), budget)
+    ref = reference(h, w, y, reduction=reduction, grad_rows=g)
+    assert rel(h.grad, ref[1]) <= 1.05 * rel(ref[1].bfloat16(), ref[1])
+
+
+def test_fast_memory_model(monkeypatch):
+    """triton_fast holds fp32 dh [N_v, H] and dW [V, H] plus one chunk of fp32 logits and dz."""
+    n, h_dim, v = 200, 32, 500
+    h, w, y = inputs(n, h_dim, v, torch.bfloat16, seed=8)
+    n_valid = int((y != -100).sum())
+    c = 32
+    fwd = LiveBytes()
+    fwd.emulate_gpu(monkeypatch, triton_flce)
+    with fwd:
+        loss = fused_linear_cross_entropy_triton(h, w, y, fast=True, tiles=(c, 0, 0))
+    model = 4 * n_valid * h_dim + 4 * v * h_dim + 6 * c * v + 2 * c * h_dim + 64 * n_valid
+    assert 4 * v * h_dim < fwd.peak() <= model
+    loss.backward()
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("mode", ["no_grad", "inputs_without_grad"])
+def test_forward_only_when_no_gradient_is_needed(monkeypatch, fast, mode):
+    """2 N_v H V flops and no gradient buffers: under no_grad, or when neither input requires grad."""
+    n, h_dim, v = 64, 16, 300
+    h, w, y = inputs(n, h_dim, v, torch.bfloat16, seed=1)
+    n_valid = int((y != -100).sum())
+    ref_loss = reference(h, w, y)[0]
+    if mode == "inputs_without_grad":
+        h, w = h.detach(), w.detach()
+    log = LiveBytes()
+    log.emulate_gpu(monkeypatch, triton_flce)
+    with log:
+        if mode == "no_grad":
+            with torch.no_grad():
+                loss = fused_linear_cross_entropy(h, w, y, backend="triton_fast" if fast else "triton")
+        else:
+            loss = fused_linear_cross_entropy(h, w, y, backend="triton_fast" if fast else "triton")
+    assert log.mm_flops == 2 * n_valid * h_dim * v
+    assert log.peak() <= 4 * n_valid * v + 2 * n_valid * h_dim + 64 * n_valid  # at most one [N_v, V] fp32 tile
+    grads = [a for a in log.allocated if a[2] == torch.float32 and a[1] in ((v, h_dim), (n_valid, h_dim))]
+    assert not grads  # no fp32 gradient accumulators
+    assert not loss.requires_grad and rel(loss, ref_loss) <= 1e-6
+
+
+def test_plan_prefers_low_traffic_within_budget():
+    # the real shapes of the benchmark, 25% ignored: tiles fit the default budget, never below 2048
+    for n, h, v in [(8192, 4096, 128256), (16384, 4096, 128256), (16384, 3584, 152064), (8192, 3840, 262208)]:
         nv = n * 3 // 4
-        c, v_s, r = plan_tiles(nv, h, v, True, 224 << 20)
-        assert 4 * c * v <= 224 << 20
-        assert v_s >= 2048 and r >= 2048  # big enough GEMMs to stay on the matmul roof
-
-
-@pytest.mark.parametrize("backend", ["triton", "triton_fast"])
-def test_only_needed_grads_and_scaled_grad_out(backend):
-    h, w, y = inputs(19, 8, 31, torch.float32)
-    w.requires_grad_(False)
-    (3.0 * fused_linear_cross_entropy(h, w, y, backend=backend)).backward()
-    _, ref_dh, _ = reference(h, w, y)
-    assert w.grad is None and rel(h.grad, 3.0 * ref_dh) <= 1e-5
+        v_s, r = plan_tiles(nv, h, v)
+        mem = lean_bytes(nv, h, v_s, r, need_h=True, need_w=True, gather=True)
+        assert mem <= triton_flce.DEFAULT_MEM_BUDGET and v_s >= 2048 and r >= 2048

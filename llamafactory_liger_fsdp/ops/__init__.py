@@ -5,9 +5,11 @@ be tested and benchmarked alone. Backends:
 
 * ``"torch"``  -- :mod:`.torch_flce`, chunked pure torch: the oracle and the CPU fallback.
 * ``"triton"`` -- :mod:`.triton_flce`, the Triton kernel (default on CUDA): lean, gradients
-  recomputed in backward, a few hundred MiB beyond its inputs at 16k x 128k.
+  recomputed in backward, within ``DEFAULT_MEM_BUDGET`` (512 MiB) beyond its inputs where the
+  dh accumulator ``4 N_v H`` leaves room.
 * ``"triton_fast"`` -- the same kernels with the gradients computed in forward: 25% fewer
-  flops, for an fp32 ``[V, H]`` accumulator (2 GiB at 128k x 4096) plus a 1.5 GiB row chunk.
+  flops, for fp32 ``[V, H]`` and ``[N_v, H]`` gradients held until backward plus a row chunk of
+  fp32 logits and dz (1.5 GiB budget).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from .torch_flce import fused_linear_cross_entropy_torch
 
 BACKENDS = ("torch", "triton", "triton_fast")
-REDUCTIONS = ("mean", "sum")
+REDUCTIONS = ("mean", "sum", "none")
 
 
 def default_backend(device: torch.device, fast: bool = False) -> str:
@@ -34,6 +36,19 @@ def default_backend(device: torch.device, fast: bool = False) -> str:
     return "torch"
 
 
+def check_labels(labels: torch.Tensor, v: int, ignore_index: int = -100) -> None:
+    """Raise one ``ValueError`` naming the first label outside ``[0, v)`` that is not ``ignore_index``
+    (a device-side gather would assert instead, leaving the CUDA context unusable)."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= v))
+    if bool(bad.any()):
+        first = int(labels[bad.nonzero()[0, 0]])
+        raise ValueError(
+            f"fused_linear_cross_entropy: label {first} is outside [0, V) with V={v} (the head weight's rows) and is "
+            f"not ignore_index={ignore_index} ({int(bad.sum())} such label(s)). Was the vocabulary resized after "
+            "adding tokens?"
+        )
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -41,21 +56,31 @@ def fused_linear_cross_entropy(
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
+    label_smoothing: float = 0.0,
     softcap: float | None = None,
+    return_lse: bool = False,
     backend: str | None = None,
-) -> torch.Tensor:
+):
     """Cross-entropy of ``softcap(hidden @ weight.T)`` against ``labels`` without materialising the logits.
 
     Args:
         hidden: ``[N, H]`` inputs of the head (already flattened; labels already shifted).
         weight: ``[V, H]`` head weight.
-        labels: ``[N]`` int64 targets; ``ignore_index`` rows contribute nothing.
-        reduction: ``"mean"`` (over non-ignored rows; 0 if there are none) or ``"sum"``.
+        labels: ``[N]`` integer targets in ``[0, V)`` or ``ignore_index`` (anything else raises
+            ``ValueError`` before any kernel runs).
+        reduction: ``"mean"`` (over non-ignored rows; 0 if there are none), ``"sum"``, or ``"none"``
+            (``[N]`` fp32 per-row losses, 0 on ignored rows; gradients exact for any per-row
+            ``grad_output``).
+        label_smoothing: ``eps`` as in ``F.cross_entropy``: per row ``(1 - eps) * nll + eps *
+            mean_over_classes(-log_softmax)``.
         softcap: if set, logits become ``softcap * tanh(logits / softcap)`` (Gemma 2/3).
+        return_lse: also return the per-row log-sum-exp of the (softcapped) logits, ``[N]`` fp32,
+            0 on ignored rows; it carries no gradient.
         backend: ``"triton"``, ``"triton_fast"``, ``"torch"`` or ``None`` (triton on CUDA, torch elsewhere).
 
-    Returns a scalar fp32 loss, differentiable in ``hidden`` and ``weight``. Under autocast both
-    inputs are cast to the autocast dtype first, as ``nn.Linear`` would.
+    Returns the fp32 loss (a scalar, or ``[N]`` for ``"none"``), differentiable in ``hidden`` and
+    ``weight``; ``(loss, lse)`` with ``return_lse``. Under autocast both inputs are cast to the
+    autocast dtype first, as ``nn.Linear`` would.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.dim() != 1:
         raise ValueError(
@@ -69,6 +94,17 @@ def fused_linear_cross_entropy(
         )
     if reduction not in REDUCTIONS:
         raise ValueError(f"fused_linear_cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"fused_linear_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"fused_linear_cross_entropy: softcap must be > 0 or None, got {softcap!r}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"fused_linear_cross_entropy: labels must be integers, got {labels.dtype}")
+    backend = backend or default_backend(hidden.device)
+    if backend not in BACKENDS:
+        raise ValueError(f"fused_linear_cross_entropy: backend must be one of {BACKENDS} or None, got {backend!r}")
+    labels = labels.long()
+    check_labels(labels, weight.shape[0], ignore_index)
     dev = hidden.device.type
     if torch.is_autocast_enabled(dev):
         dtype = torch.get_autocast_dtype(dev)
@@ -78,19 +114,13 @@ def fused_linear_cross_entropy(
             f"fused_linear_cross_entropy: hidden is {hidden.dtype} but weight is {weight.dtype} (outside autocast). "
             "Cast one of them, as nn.Linear would require."
         )
-    backend = backend or default_backend(hidden.device)
+    kw = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=float(label_smoothing), softcap=softcap,
+              return_lse=return_lse)
     if backend == "torch":
-        return fused_linear_cross_entropy_torch(
-            hidden, weight, labels, ignore_index=ignore_index, reduction=reduction, softcap=softcap
-        )
-    if backend in ("triton", "triton_fast"):
-        from .triton_flce import fused_linear_cross_entropy_triton
+        return fused_linear_cross_entropy_torch(hidden, weight, labels, **kw)
+    from .triton_flce import fused_linear_cross_entropy_triton
 
-        return fused_linear_cross_entropy_triton(
-            hidden, weight, labels, ignore_index=ignore_index, reduction=reduction, softcap=softcap,
-            fast=backend == "triton_fast",
-        )
-    raise ValueError(f"fused_linear_cross_entropy: backend must be one of {BACKENDS} or None, got {backend!r}")
+    return fused_linear_cross_entropy_triton(hidden, weight, labels, fast=backend == "triton_fast", **kw)
 
 
-__all__ = ["fused_linear_cross_entropy", "default_backend", "BACKENDS"]
+__all__ = ["fused_linear_cross_entropy", "default_backend", "check_labels", "BACKENDS", "REDUCTIONS"]

@@ -6,12 +6,11 @@ per chunk by default).
 
 Numerics follow what the unfused model computes: each chunk's logits come out of one matmul
 in the input dtype (fp32 accumulation inside, like ``lm_head``) and are upcast to fp32 before
-softcap / log-softmax (like transformers' ``ForCausalLMLoss``); the logits gradient is cast back
-to the input dtype before the two backward matmuls (like autograd through ``logits.float()``).
-``dW`` is accumulated over chunks in fp32.
+softcap / log-softmax (like transformers' ``ForCausalLMLoss``); the logits gradient, scaled by
+``grad_output`` (and ``1/n_valid``), is cast back to the input dtype before the two backward
+matmuls (like autograd through ``logits.float()``). ``dW`` is accumulated over chunks in fp32.
 
-Gradients are *recomputed* in backward (one more ``hidden @ weight.T`` per chunk) instead of being
-kept from forward: under FSDP the head weight is gathered again for backward anyway, and keeping
+Gradients are *recomputed* in backward (one more ``hidden @ weight.T`` per chunk): keeping
 ``dW`` from forward would hold a full ``[V, H]`` fp32 buffer across the whole decoder backward.
 """
 
@@ -37,32 +36,47 @@ def _logits(h: torch.Tensor, w: torch.Tensor, softcap: float | None) -> torch.Te
 
 class _TorchFLCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, normalize, softcap, chunk_rows):
+    def forward(ctx, hidden, weight, labels, cfg):
+        ignore_index, reduction, softcap, eps, chunk_rows = cfg
         n, v = hidden.shape[0], weight.shape[0]
         rows = _rows_per_chunk(n, v, chunk_rows)
         valid = labels != ignore_index
-        n_valid = valid.sum()
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        loss_rows = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for s in range(0, n, rows):
                 z = _logits(hidden[s : s + rows], weight, softcap)
-                y = labels[s : s + rows]
                 ok = valid[s : s + rows]
-                tgt = z.gather(1, torch.where(ok, y, 0).unsqueeze(1)).squeeze(1)
-                total = total + torch.where(ok, torch.logsumexp(z, dim=1) - tgt, 0.0).sum()
-        denom = n_valid.clamp(min=1).float() if normalize else torch.ones((), device=hidden.device)
-        ctx.save_for_backward(hidden, weight, labels, denom)
-        ctx.cfg = (ignore_index, softcap, rows)
-        return total / denom
+                y = torch.where(ok, labels[s : s + rows], 0)
+                lse_c = torch.logsumexp(z, dim=1)
+                nll = lse_c - z.gather(1, y.unsqueeze(1)).squeeze(1)
+                if eps:
+                    nll = (1.0 - eps) * nll + eps * (lse_c - z.mean(dim=1))
+                loss_rows[s : s + rows] = torch.where(ok, nll, 0.0)
+                lse[s : s + rows] = torch.where(ok, lse_c, 0.0)
+        n_valid = valid.sum()
+        ctx.save_for_backward(hidden, weight, labels, n_valid)
+        ctx.cfg = (ignore_index, reduction, softcap, eps, rows)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse)
+        if reduction == "none":
+            return loss_rows, lse
+        loss = loss_rows.sum()
+        return (loss / n_valid.clamp(min=1).float() if reduction == "mean" else loss), lse
 
     @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, labels, denom = ctx.saved_tensors
-        ignore_index, softcap, rows = ctx.cfg
+    def backward(ctx, grad_out, _grad_lse):
+        hidden, weight, labels, n_valid = ctx.saved_tensors
+        ignore_index, reduction, softcap, eps, rows = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad_out is None:
+            return None, None, None, None
+        v = weight.shape[0]
         dh = torch.empty_like(hidden) if need_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        scale = (grad_out.float() / denom).to(torch.float32)
+        g_out = grad_out.float()
+        if reduction == "mean":
+            g_out = g_out / n_valid.clamp(min=1).float()
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             for s in range(0, hidden.shape[0], rows):
                 h = hidden[s : s + rows]
@@ -70,8 +84,11 @@ class _TorchFLCE(torch.autograd.Function):
                 ok = y != ignore_index
                 z = _logits(h, weight, softcap)
                 g = torch.softmax(z, dim=1)
-                g[torch.arange(g.shape[0], device=g.device)[ok], y[ok]] -= 1.0
-                g *= (ok.float() * scale).unsqueeze(1)
+                g[torch.arange(g.shape[0], device=g.device)[ok], y[ok]] -= 1.0 - eps
+                if eps:
+                    g -= eps / v
+                c = g_out[s : s + rows] if reduction == "none" else g_out
+                g *= (ok.float() * c).unsqueeze(1)
                 if softcap is not None:
                     g *= 1.0 - (z / softcap) ** 2
                 g = g.to(hidden.dtype)
@@ -79,7 +96,7 @@ class _TorchFLCE(torch.autograd.Function):
                     dh[s : s + rows] = g @ weight
                 if need_w:
                     dw += (g.t() @ h).float()
-        return dh, (dw.to(weight.dtype) if need_w else None), None, None, None, None, None
+        return dh, (dw.to(weight.dtype) if need_w else None), None, None
 
 
 def fused_linear_cross_entropy_torch(
@@ -89,8 +106,12 @@ def fused_linear_cross_entropy_torch(
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
+    label_smoothing: float = 0.0,
     softcap: float | None = None,
+    return_lse: bool = False,
     chunk_rows: int | None = None,
-) -> torch.Tensor:
-    """Chunked torch implementation; see :func:`llamafactory_liger_fsdp.ops.fused_linear_cross_entropy`."""
-    return _TorchFLCE.apply(hidden, weight, labels, ignore_index, reduction == "mean", softcap, chunk_rows)
+):
+    """Chunked torch implementation (no label check); see
+    :func:`llamafactory_liger_fsdp.ops.fused_linear_cross_entropy`."""
+    loss, lse = _TorchFLCE.apply(hidden, weight, labels, (ignore_index, reduction, softcap, float(label_smoothing), chunk_rows))
+    return (loss, lse) if return_lse else loss

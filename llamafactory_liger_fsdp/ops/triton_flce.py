@@ -1,31 +1,32 @@
-"""Triton fused linear cross-entropy: exact, memory-bounded, with the three matmuls on cuBLAS.
+"""Triton fused linear cross-entropy, with the matmuls on cuBLAS.
 
-Design (counts for N rows, H hidden, V vocab; N_v = rows whose label is not ignored):
+Counts for N rows, H hidden, V vocab; N_v = rows whose label is not ignored (only those are
+ever multiplied: at 25% ignored labels the ``8 N_v H V`` flops of the lean path equal the
+``6 N H V`` of the three unfused matmuls).
 
-* **Ignored rows are skipped**, not masked: only the N_v valid rows are ever multiplied, so the
-  flops are ``8 * N_v * H * V`` -- at 25% ignored labels that is exactly the ``6 N H V`` of the
-  three unfused matmuls.
-* **Forward** = ``2 N_v H V``: rows in chunks of ``c``; ``z = h_c @ W^T`` in fp32 (cuBLAS,
-  bf16 operands, fp32 output), then :func:`_lse_kernel` reduces each row to its log-sum-exp in
-  one read of ``z`` (split over column blocks, partial maxima/sums combined in fp32). Only
-  ``lse [N_v]`` is kept for backward -- no ``[V, H]`` gradient is held from forward to backward
-  (under FSDP the head weight is all-gathered again for backward anyway, and a ``dW`` kept from
-  forward would sit through the whole decoder backward in an un-sharded buffer).
-* **Backward** = ``6 N_v H V``: recompute ``z`` per tile (V-slab of ``v_s`` head rows x block of
-  ``R`` valid rows), :func:`_dz_kernel` turns it into ``dz = (softmax - onehot) * scale`` (with
-  the softcap chain rule) in the input dtype, then ``dh += dz @ W_s`` into an fp32
-  ``[N_v, H]`` accumulator and ``dW_s (+)= dz^T @ h_r`` (straight into the bf16 output when one
-  row block covers all rows, else through an fp32 ``[v_s, H]`` slab accumulator). Every
-  accumulation over a long axis is fp32; ``dW`` and ``dh`` are rounded to the input dtype once.
-* **Memory**: forward ``4 c V`` bytes; backward ``4 N_v H`` (dh accumulator) + ``6 R v_s``
-  (fp32 logits + dz tile) + ``4 v_s H`` (slab accumulator, only when ``R < N_v``) + the gathered
-  ``R x H`` rows. Tiles are sized from ``mem_budget``.
-* **Deterministic**: no atomics; every reduction has a fixed order (cuBLAS GEMMs without
-  split-K atomics are deterministic), so repeated runs give identical bits.
+* **Lean** (``triton``): forward and backward walk the same tiles -- ``R`` valid rows x a
+  vocabulary slab of ``v_s`` head rows. Forward: ``z = h_r @ W_s^T`` in fp32 (bf16 operands,
+  fp32 output), :func:`_stats_kernel` folds each tile into running per-row (max, sum exp,
+  target logit, sum of logits); only ``lse [N_v]`` is kept. Backward recomputes each tile with
+  the *same* GEMM (same shapes and operands, so bitwise the same logits as forward: the softmax
+  sums to 1 with large logits too), :func:`_dz_kernel` writes ``dz = softmax - target`` in the
+  input dtype, ``dh_acc += dz @ W_s`` and ``dW_s += dz^T @ h_r`` in fp32. Memory: ``4 N_v H``
+  (dh accumulator) + ``6 R v_s`` (fp32 logits + bf16 dz) + ``4 v_s H`` (dW slab) + gathered rows;
+  tiles are chosen from ``mem_budget`` by :func:`plan_tiles`.
+* **Fast** (``triton_fast``): gradients computed in forward for chunks of ``c`` rows x all of
+  V (``6 N_v H V``); ``dh`` [N_v, H] and ``dW`` [V, H] kept in fp32 until backward multiplies
+  them by ``grad_output`` and rounds once. ``reduction="none"`` with gradients uses the lean path
+  (per-row ``grad_output`` is not known in forward).
 
-Logits are kept in fp32 from the GEMM on (the unfused model rounds them to bf16 first), so the
-gradient error against an fp32 reference comes from the bf16 ``dz`` operand and the final
-rounding only.
+Exactness: ``dz`` is rounded to the input dtype *unscaled* (the target entry ``p_y - 1`` stays
+near-exact; in fp16 it is multiplied by ``2^15`` so small probabilities stay normal), every GEMM
+outputs fp32 (no reduced-precision bf16 reduction), and ``1/n_valid``, ``grad_output`` and the
+fp16 factor are applied in fp32 after the GEMMs; dX and dW are rounded once. With per-row
+``grad_output`` (reduction ``"none"``) that differs between rows, ``dh`` is still scaled after
+its GEMM; for ``dW`` the row factors (divided by a power of two) multiply ``h`` before its one
+rounding.
+
+Deterministic: no atomics; fixed reduction orders.
 """
 
 from __future__ import annotations
@@ -36,85 +37,169 @@ import torch
 import triton
 import triton.language as tl
 
-DEFAULT_MEM_BUDGET = 224 * 1024 * 1024
+DEFAULT_MEM_BUDGET = 512 * 1024 * 1024
 FAST_CHUNK_BYTES = 1536 * 1024 * 1024  # fp32 logits + dz of one row chunk in the fast path
+MIN_TILE = 2048  # smallest backward tile side at real sizes (tests lower it)
+FP16_DZ_SCALE = 2.0**15  # |dz| <= 1, so dz * 2^15 <= 32768 < 65504
 
 
 # --------------------------------------------------------------------------- kernels
+# Each program handles BLOCK_R rows: 1 on the GPU; several under the CPU interpreter, whose cost
+# is per program (the same code, a wider tile).
+def _block_r(t: torch.Tensor) -> int:
+    return 1 if t.is_cuda else 16
+
+
 @triton.jit
-def _lse_kernel(
-    z_ptr, stride_z, m_ptr, s_ptr, n_cols, cols_per_split, softcap,
-    HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+def _softcap(z, softcap):
+    t = z / softcap
+    e = tl.exp(-2.0 * tl.abs(t))
+    th = (1.0 - e) / (1.0 + e)
+    th = tl.where(t < 0, -th, th)
+    return softcap * th, th
+
+
+@triton.jit
+def _stats_kernel(
+    z_ptr, stride_z, y_ptr, m_ptr, s_ptr, t_ptr, zs_ptr, stride_p, n_rows, n_cols, cols_per_split, col_offset,
+    softcap, HAS_SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """Partial (max, sum exp) of one row over one column split of fp32 logits ``z``."""
-    row = tl.program_id(0)
+    """Per row of fp32 logits ``z`` over one column split: max, sum exp(z - max), the target
+    logit (if the label falls in these columns) and the sum of logits (if SMOOTH). ACCUMULATE
+    (one split) folds them into running values at ``[row]``; else they go to ``[row, split]``."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
     split = tl.program_id(1)
-    n_splits = tl.num_programs(1)
     start = split * cols_per_split
     stop = tl.minimum(start + cols_per_split, n_cols)
-    base = z_ptr + row.to(tl.int64) * stride_z
-    m = tl.full((BLOCK,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK,), tl.float32)
+    base = z_ptr + rows.to(tl.int64)[:, None] * stride_z
+    y = tl.load(y_ptr + rows, mask=rmask, other=-1) - col_offset
+    m = tl.full((BLOCK_R, BLOCK), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_R, BLOCK), tl.float32)
+    t = tl.zeros((BLOCK_R, BLOCK), tl.float32)
+    zs = tl.zeros((BLOCK_R, BLOCK), tl.float32)
     for off in range(start, stop, BLOCK):
         cols = off + tl.arange(0, BLOCK)
-        mask = cols < stop
-        z = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        mask = rmask[:, None] & (cols < stop)[None, :]
+        z = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            t = z / softcap
-            # tanh via exp; masked lanes stay -inf
-            e = tl.exp(-2.0 * tl.abs(t))
-            th = (1.0 - e) / (1.0 + e)
-            th = tl.where(t < 0, -th, th)
-            z = tl.where(mask, softcap * th, float("-inf"))
-        m_new = tl.maximum(m, z)
+            z, _ = _softcap(z, softcap)
+        t += tl.where(mask & (cols[None, :] == y[:, None]), z, 0.0)
+        if SMOOTH:
+            zs += tl.where(mask, z, 0.0)
+        zm = tl.where(mask, z, float("-inf"))
+        m_new = tl.maximum(m, zm)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
-        s = s * tl.exp(m - m_safe) + tl.where(mask, tl.exp(z - m_safe), 0.0)
+        s = s * tl.exp(m - m_safe) + tl.where(mask, tl.exp(zm - m_safe), 0.0)
         m = m_new
-    m_row = tl.max(m, axis=0)
+    m_row = tl.max(m, axis=1)
     safe = tl.where(m_row == float("-inf"), 0.0, m_row)
-    s_row = tl.sum(s * tl.exp(m - safe), axis=0)
-    tl.store(m_ptr + row * n_splits + split, m_row)
-    tl.store(s_ptr + row * n_splits + split, s_row)
+    s_row = tl.sum(s * tl.exp(m - safe[:, None]), axis=1)
+    t_row = tl.sum(t, axis=1)
+    zs_row = tl.sum(zs, axis=1)
+    if ACCUMULATE:
+        m_old = tl.load(m_ptr + rows, mask=rmask, other=0.0)
+        s_old = tl.load(s_ptr + rows, mask=rmask, other=0.0)
+        m_n = tl.maximum(m_old, m_row)
+        safe_n = tl.where(m_n == float("-inf"), 0.0, m_n)
+        tl.store(s_ptr + rows, s_old * tl.exp(m_old - safe_n) + s_row * tl.exp(m_row - safe_n), mask=rmask)
+        tl.store(m_ptr + rows, m_n, mask=rmask)
+        tl.store(t_ptr + rows, tl.load(t_ptr + rows, mask=rmask, other=0.0) + t_row, mask=rmask)
+        if SMOOTH:
+            tl.store(zs_ptr + rows, tl.load(zs_ptr + rows, mask=rmask, other=0.0) + zs_row, mask=rmask)
+    else:
+        o = rows * stride_p + split
+        tl.store(m_ptr + o, m_row, mask=rmask)
+        tl.store(s_ptr + o, s_row, mask=rmask)
+        tl.store(t_ptr + o, t_row, mask=rmask)
+        if SMOOTH:
+            tl.store(zs_ptr + o, zs_row, mask=rmask)
 
 
 @triton.jit
 def _dz_kernel(
-    z_ptr, stride_z, dz_ptr, stride_dz, y_ptr, lse_ptr, scale_ptr, n_cols, col_offset, softcap,
-    HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+    z_ptr, stride_z, dz_ptr, stride_dz, m_ptr, inv_s_ptr, n_rows, n_cols, softcap, off_target, out_scale,
+    HAS_SOFTCAP: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """dz = (softmax(zc) - onehot(y)) * scale [* (1 - (zc/cap)^2)] for one block of one row."""
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
-    cols = blk * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    z = tl.load(z_ptr + row.to(tl.int64) * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
-    lse = tl.load(lse_ptr + row)
-    y = tl.load(y_ptr + row)
-    scale = tl.load(scale_ptr)
+    """dz = (softmax(zc) - off_target) [* (1 - (zc/cap)^2)] * out_scale, rounded once to dz's
+    dtype; softmax = exp(zc - max) / sum, as torch computes it (``exp(zc - lse)`` would carry the
+    rounding of a large ``lse`` into every probability). out_scale is a power of two.
+    The target's ``-(1 - eps)`` is *not* in dz (``p_y - 1``
+    would lose ``p_y`` to the rounding): :func:`_rows_axpy_kernel` adds it in fp32. bf16 is rounded
+    to nearest even by hand: the GPU's cast gives the same bits, the interpreter's truncates."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (cols < n_cols)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    z = tl.load(z_ptr + r64 * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + rows, mask=rmask, other=0.0)
+    inv_s = tl.load(inv_s_ptr + rows, mask=rmask, other=0.0)
     if HAS_SOFTCAP:
-        t = z / softcap
-        e = tl.exp(-2.0 * tl.abs(t))
-        th = (1.0 - e) / (1.0 + e)
-        th = tl.where(t < 0, -th, th)
-        zc = softcap * th
+        zc, th = _softcap(z, softcap)
     else:
         zc = z
-    p = tl.exp(zc - lse)
-    g = p - tl.where(cols + col_offset == y, 1.0, 0.0)
-    g = g * scale
+    g = tl.exp(zc - m[:, None]) * inv_s[:, None] - off_target
     if HAS_SOFTCAP:
         g = g * (1.0 - th * th)
-    tl.store(dz_ptr + row.to(tl.int64) * stride_dz + cols, g.to(dz_ptr.dtype.element_ty), mask=mask)
+    g = g * out_scale
+    if IS_BF16:
+        bits = g.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = g.to(dz_ptr.dtype.element_ty)
+    tl.store(dz_ptr + r64 * stride_dz + cols[None, :], out, mask=mask)
+
+
+@triton.jit
+def _rows_axpy_kernel(
+    dst_ptr, stride_dst, dst_rows_ptr, src_ptr, stride_src, src_rows_ptr, coef_ptr, starts_ptr, n_dst, n_cols,
+    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """dst[dst_rows[p]] += sum over k in [starts[p], starts[p+1]) of coef[k] * src[src_rows[k]],
+    fp32, k in order; ``dst_rows`` distinct, each written by one program (no atomics)."""
+    p = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    pmask = p < n_dst
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cmask = cols < n_cols
+    k0 = tl.load(starts_ptr + p, mask=pmask, other=0)
+    lens = tl.load(starts_ptr + p + 1, mask=pmask, other=0) - k0
+    acc = tl.zeros((BLOCK_R, BLOCK), tl.float32)
+    for j in range(0, tl.max(lens, axis=0)):
+        active = pmask & (j < lens)
+        r = tl.load(src_rows_ptr + k0 + j, mask=active, other=0).to(tl.int64)
+        c = tl.load(coef_ptr + k0 + j, mask=active, other=0.0)
+        x = tl.load(src_ptr + r[:, None] * stride_src + cols[None, :], mask=active[:, None] & cmask[None, :], other=0.0)
+        acc += c[:, None] * x.to(tl.float32)
+    d = tl.load(dst_rows_ptr + p, mask=pmask, other=0).to(tl.int64)
+    ptr = dst_ptr + d[:, None] * stride_dst + cols[None, :]
+    mask = pmask[:, None] & cmask[None, :]
+    tl.store(ptr, tl.load(ptr, mask=mask, other=0.0) + acc, mask=mask)
+
+
+def _rows_axpy(dst, dst_rows, src, src_rows, coef, starts):
+    """See :func:`_rows_axpy_kernel`; ``dst`` fp32, ``len(dst_rows) + 1 == len(starts)``."""
+    n_dst = dst_rows.numel()
+    if n_dst == 0:
+        return
+    br = _block_r(dst)
+    block = min(1024, triton.next_power_of_2(dst.shape[1]))
+    _rows_axpy_kernel[(triton.cdiv(n_dst, br), triton.cdiv(dst.shape[1], block))](
+        dst, dst.stride(0), dst_rows, src, src.stride(0), src_rows, coef, starts, n_dst, dst.shape[1],
+        BLOCK_R=br, BLOCK=block, num_warps=4,
+    )
 
 
 # --------------------------------------------------------------------------- matmul helpers
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with fp32 output (fp32 accumulation inside; cuBLAS bf16 -> fp32 GEMM on CUDA)."""
+def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b with fp32 output (cuBLAS low-precision operands, fp32 accumulation and output)."""
     if a.dtype == torch.float32:
-        return a @ b
+        return torch.mm(a, b, out=out)
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return torch.mm(a.float(), b.float(), out=out)  # CPU has no mixed-dtype mm
 
 
 def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -127,213 +212,400 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a.float(), b.float())
 
 
+def _dz_scale(dtype: torch.dtype) -> float:
+    return FP16_DZ_SCALE if dtype == torch.float16 else 1.0
+
+
 # --------------------------------------------------------------------------- planning
-def _pow2_floor(x: int) -> int:
-    return 1 << (max(1, int(x)).bit_length() - 1)
+def lean_bytes(n_valid: int, h: int, v_s: int, r: int, *, need_h: bool, need_w: bool, gather: bool,
+               row_scaled: bool = False, elt: int = 2) -> int:
+    """Bytes the lean backward holds at its peak for tiles ``(v_s, r)``, beyond its inputs and the
+    gradients it returns: dh accumulator, fp32 logits + dz tile, fp32 dW slab, gathered rows
+    (``gather``), row-scaled rows for dW (``row_scaled``), per-row fp32 vectors."""
+    total = 4 * n_valid * h if need_h else 0
+    total += (4 + elt) * r * v_s
+    if need_w:
+        total += 4 * v_s * h
+    if gather:
+        total += elt * r * h
+    if row_scaled and need_w:
+        total += elt * r * h
+    return total + 32 * n_valid
 
 
-def plan_tiles(n_valid: int, h: int, v: int, need_h: bool, mem_budget: int) -> tuple[int, int, int]:
-    """(forward row chunk c, backward vocab slab v_s, backward row block R) for a memory budget.
-
-    Backward tiles never go below 2048 x 2048 (smaller GEMMs fall off the matmul roof and the
-    per-tile launch overhead starts to show); when even that exceeds the budget -- the fp32 dh
-    accumulator alone is ``4 N_v H`` -- the budget is exceeded rather than the speed.
-    """
-    c = max(16, min(n_valid, (mem_budget // (4 * v)) // 16 * 16)) if n_valid else 1
-    acc = 4 * n_valid * h if need_h else 0
-    left = mem_budget - acc
-
-    def mem(v_s: int, r: int) -> int:
-        return 6 * r * v_s + 2 * r * h + (4 * v_s * h if r < n_valid else 0)
-
-    vmax = triton.next_power_of_2(v)
-    # one row block first: it needs no slab accumulator (dW_s goes straight out of one GEMM)
-    order = [(4096, n_valid), (2048, n_valid)] + [(v_s, r) for r in (8192, 4096, 2048) if r < n_valid for v_s in (4096, 2048)]
-    for v_s, r in order:
-        if mem(min(v_s, vmax), r) <= left:
-            return c, min(v_s, vmax), max(r, 1)
-    return c, min(2048, vmax), max(min(2048, n_valid), 1)
+def _pow2_down(top: int, bottom: int) -> list[int]:
+    out, x = [], top
+    while x >= bottom:
+        out.append(x)
+        x //= 2
+    return out or [top]
 
 
-# --------------------------------------------------------------------------- autograd
-def _lse(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
+def plan_tiles(n_valid: int, h: int, v: int, *, need_h: bool = True, need_w: bool = True, all_valid: bool = False,
+               row_scaled: bool = False, elt: int = 2, mem_budget: int = DEFAULT_MEM_BUDGET,
+               min_tile: int | None = None) -> tuple[int, int]:
+    """Lean tiles ``(v_s, R)`` within ``mem_budget`` (see :func:`lean_bytes`), the one with the
+    least fp32 accumulator traffic (``dh`` re-read per slab, ``dW`` slab per row block) plus a
+    per-tile charge. Tiles never go below ``min_tile`` (``MIN_TILE``; smaller GEMMs fall off the
+    matmul roof): when even those exceed the budget -- the dh accumulator alone is ``4 N_v H`` --
+    the smallest such tiles are used."""
+    min_tile = MIN_TILE if min_tile is None else min_tile
+    n_valid = max(n_valid, 1)
+    vmax = min(8192, triton.next_power_of_2(v))
+    slabs = _pow2_down(vmax, min(min_tile, vmax))
+    rows = [n_valid] + [x for x in _pow2_down(8192, min_tile) if x < n_valid]
+    best = None
+    for v_s in slabs:
+        for r in rows:
+            gather = not all_valid
+            mem = lean_bytes(n_valid, h, v_s, r, need_h=need_h, need_w=need_w, gather=gather, row_scaled=row_scaled,
+                             elt=elt)
+            n_slabs, n_blocks = math.ceil(v / v_s), math.ceil(n_valid / r)
+            traffic = (8 * n_valid * h * n_slabs if need_h else 0) + (8 * v * h * n_blocks if need_w else 0)
+            traffic += n_slabs * n_blocks * (16 << 20)
+            key = (mem > mem_budget, mem if mem > mem_budget else traffic)
+            if best is None or key < best[0]:
+                best = (key, v_s, r)
+    return best[1], best[2]
+
+
+# --------------------------------------------------------------------------- shared pieces
+def _gather(hidden: torch.Tensor, idx: torch.Tensor, all_valid: bool, rows: slice, whole: bool) -> torch.Tensor:
+    if all_valid:
+        return hidden if whole else hidden[rows]
+    return hidden.index_select(0, idx[rows])
+
+
+def _finish(m, s, tgt, zsum, eps: float, v: int):
+    """(lse, per-row loss, 1/s) from the row max ``m``, sum exp(z - m) ``s``, target logit and sum of
+    logits. loss = lse - (1 - eps) z_y - eps * mean(z) (PyTorch's label smoothing), computed as
+    ``(m - z_y) + log s`` so a large ``lse`` adds no rounding."""
+    log_s = torch.log(s)
+    if eps == 0.0:
+        loss = (m - tgt) + log_s
+    else:
+        loss = (1.0 - eps) * (m - tgt) + eps * (m - zsum / v) + log_s
+    return m + log_s, loss, 1.0 / s
+
+
+def _lean_forward(hidden, weight, idx, y_valid, all_valid, softcap, eps, v_s, r):
+    """(lse, per-row loss, target logit, max, 1/sum) of the valid rows, walking the (R, v_s) tiles
+    rows-outer."""
+    n_valid, v = idx.numel(), weight.shape[0]
+    dev = hidden.device
+    m = torch.full((n_valid,), float("-inf"), device=dev, dtype=torch.float32)
+    s = torch.zeros(n_valid, device=dev, dtype=torch.float32)
+    t = torch.zeros(n_valid, device=dev, dtype=torch.float32)
+    zs = torch.zeros(n_valid, device=dev, dtype=torch.float32) if eps else t
+    one_block = r >= n_valid
+    for r0 in range(0, n_valid, r):
+        rows = slice(r0, r0 + r)
+        h_r = _gather(hidden, idx, all_valid, rows, one_block)
+        for s0 in range(0, v, v_s):
+            w_s = weight[s0 : s0 + v_s]
+            z = _mm_f32(h_r, w_s.t())
+            block = min(2048, triton.next_power_of_2(z.shape[1]))
+            br = _block_r(z)
+            _stats_kernel[(triton.cdiv(z.shape[0], br), 1)](
+                z, z.stride(0), y_valid[rows], m[rows], s[rows], t[rows], zs[rows], 1, z.shape[0], z.shape[1],
+                z.shape[1], s0, float(softcap or 1.0), HAS_SOFTCAP=softcap is not None, SMOOTH=bool(eps),
+                ACCUMULATE=True, BLOCK_R=br, BLOCK=block, num_warps=8 if block >= 1024 else 4,
+            )
+            del z
+        del h_r
+    lse, loss, inv_s = _finish(m, s, t, zs, eps, v)
+    return lse, loss, t, m, inv_s
+
+
+def _chunk_stats(z, y_c, softcap, eps):
+    """(max, sum exp(z - max), target logit, sum of logits) of fp32 logits ``z`` [c, V] (all of V),
+    split over columns."""
     rows, n_cols = z.shape
     block = min(2048, triton.next_power_of_2(n_cols))
     splits = max(1, min(16, triton.cdiv(n_cols, 8192)))
     per_split = triton.cdiv(triton.cdiv(n_cols, splits), block) * block
     splits = triton.cdiv(n_cols, per_split)
-    m = torch.empty(rows, splits, device=z.device, dtype=torch.float32)
-    s = torch.empty(rows, splits, device=z.device, dtype=torch.float32)
-    _lse_kernel[(rows, splits)](
-        z, z.stride(0), m, s, n_cols, per_split, float(softcap or 1.0),
-        HAS_SOFTCAP=softcap is not None, BLOCK=block, num_warps=8 if block >= 1024 else 4,
+    part = torch.empty(4, rows, splits, device=z.device, dtype=torch.float32)
+    br = _block_r(z)
+    _stats_kernel[(triton.cdiv(rows, br), splits)](
+        z, z.stride(0), y_c, part[0], part[1], part[2], part[3], splits, rows, n_cols, per_split, 0,
+        float(softcap or 1.0), HAS_SOFTCAP=softcap is not None, SMOOTH=bool(eps), ACCUMULATE=False, BLOCK_R=br,
+        BLOCK=block, num_warps=8 if block >= 1024 else 4,
     )
-    m_max = m.max(dim=1, keepdim=True).values
-    return (m_max + torch.log((s * torch.exp(m - m_max)).sum(dim=1, keepdim=True))).squeeze(1)
+    m_max = part[0].max(dim=1, keepdim=True).values
+    s = (part[1] * torch.exp(part[0] - m_max)).sum(dim=1)
+    return m_max.squeeze(1), s, part[2].sum(dim=1), part[3].sum(dim=1) if eps else None
 
 
-def _capped(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    return z if softcap is None else softcap * torch.tanh(z / softcap)
+def _launch_dz(z, dz, m, inv_s, softcap, eps, v, out_scale):
+    block = min(1024, triton.next_power_of_2(z.shape[1]))
+    br = _block_r(z)
+    _dz_kernel[(triton.cdiv(z.shape[0], br), triton.cdiv(z.shape[1], block))](
+        z, z.stride(0), dz, dz.stride(0), m, inv_s, z.shape[0], z.shape[1], float(softcap or 1.0), eps / v, out_scale,
+        HAS_SOFTCAP=softcap is not None, IS_BF16=dz.dtype == torch.bfloat16, BLOCK_R=br, BLOCK=block, num_warps=4,
+    )
 
 
-class _TritonFLCE(torch.autograd.Function):
+def _target_coef(t, softcap, eps, out_scale):
+    """d(loss_i)/d(z_i,y) without the softmax part, times out_scale: -(1 - eps) [* (1 - th_y^2)]."""
+    a = torch.full_like(t, -(1.0 - eps) * out_scale)
+    if softcap is not None:
+        a = a * (1.0 - (t / softcap) ** 2)
+    return a
+
+
+class _Targets:
+    """The target term of the gradient, added in fp32 outside the low-precision dz:
+    ``dh_i += a_i W[y_i]`` and ``dW[j] += sum_{i: y_i = j} a_i h_i`` (rows summed in a fixed order)."""
+
+    def __init__(self, y_valid, idx, all_valid, a, row_w=None):
+        self.y, self.a = y_valid, a
+        ys, perm = torch.sort(y_valid, stable=True)
+        self.labels, counts = torch.unique_consecutive(ys, return_counts=True)
+        self.starts = torch.zeros(self.labels.numel() + 1, device=ys.device, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=self.starts[1:])
+        self.src_rows = perm if all_valid else idx.index_select(0, perm)
+        coef = a if row_w is None else a * row_w
+        self.coef_w = coef.index_select(0, perm).contiguous()
+
+    def add_dh(self, dh_acc, weight, rows=slice(None)):
+        n = dh_acc.shape[0]
+        ar = torch.arange(n + 1, device=dh_acc.device)
+        _rows_axpy(dh_acc, ar[:n], weight, self.y[rows], self.a[rows].contiguous(), ar)
+
+    def slab_bounds(self, v, v_s):
+        edges = torch.arange(0, v + v_s, v_s, device=self.labels.device)
+        return torch.searchsorted(self.labels, edges).tolist()
+
+    def add_dw(self, dw_acc, hidden, lo, hi, s0):
+        _rows_axpy(dw_acc, self.labels[lo:hi] - s0, hidden, self.src_rows, self.coef_w, self.starts[lo : hi + 1])
+
+
+def _outputs(loss_rows, lse, idx, n, all_valid, reduction):
+    """(loss, lse [N]) from the valid rows' values; ignored rows get 0 in both."""
+    n_valid = idx.numel()
+    if reduction == "none":
+        loss = loss_rows if all_valid else loss_rows.new_zeros(n).index_copy_(0, idx, loss_rows)
+    else:
+        loss = loss_rows.sum()
+        if reduction == "mean":
+            loss = loss / max(n_valid, 1)
+    lse_full = lse if all_valid else lse.new_zeros(n).index_copy_(0, idx, lse)
+    return loss, lse_full
+
+
+def _row_coefficients(grad_loss, idx, all_valid, reduction, n_valid):
+    """fp32 grad_output per valid row: a 0-d tensor when uniform, else [N_v]."""
+    g = grad_loss.float()
+    if reduction != "none":
+        return g / max(n_valid, 1) if reduction == "mean" else g
+    c = g if all_valid else g.index_select(0, idx)
+    if bool((c == c[0]).all()):
+        return c[0]
+    return c
+
+
+# --------------------------------------------------------------------------- autograd
+class _LeanFLCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, normalize, softcap, mem_budget):
+    def forward(ctx, hidden, weight, labels, cfg):
+        ignore_index, reduction, softcap, eps, budget = cfg
         n, h = hidden.shape
         v = weight.shape[0]
-        valid = labels != ignore_index
-        idx = valid.nonzero().squeeze(1)
+        idx = (labels != ignore_index).nonzero().squeeze(1)
         n_valid = int(idx.numel())
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if isinstance(mem_budget, tuple):
-            c, v_s, r = (max(1, min(t, n_valid or 1)) for t in mem_budget)
-        else:
-            c, v_s, r = plan_tiles(n_valid, h, v, need_h, mem_budget)
-        lse = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
-        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         all_valid = n_valid == n
         y_valid = labels if all_valid else labels.index_select(0, idx)
-        wt = weight.t()
-        for s0 in range(0, n_valid, c):
-            rows = slice(s0, s0 + c)
-            h_c = hidden[rows] if all_valid else hidden.index_select(0, idx[rows])
-            z = _mm_f32(h_c, wt)
-            lse_c = _lse(z, softcap)
-            tgt = _capped(z.gather(1, y_valid[rows].unsqueeze(1)).squeeze(1), softcap)
-            lse[rows] = lse_c
-            total += (lse_c - tgt).sum()
+        if isinstance(budget, tuple):
+            v_s, r = (max(1, t) for t in budget)
+        else:
+            v_s, r = plan_tiles(n_valid, h, v, need_h=ctx.needs_input_grad[0], need_w=ctx.needs_input_grad[1],
+                                all_valid=all_valid, row_scaled=reduction == "none", elt=hidden.element_size(),
+                                mem_budget=budget)
+        r = min(r, max(n_valid, 1))
+        lse, loss_rows, tgt, m, inv_s = _lean_forward(hidden, weight, idx, y_valid, all_valid, softcap, eps, v_s, r)
+        ctx.save_for_backward(hidden, weight, idx, y_valid, m, inv_s, tgt)
+        ctx.cfg = (reduction, softcap, eps, v_s, r, all_valid)
+        ctx.set_materialize_grads(False)
+        loss, lse_full = _outputs(loss_rows, lse, idx, n, all_valid, reduction)
+        ctx.mark_non_differentiable(lse_full)
+        return loss, lse_full
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse):
+        with torch.autocast(device_type=ctx.saved_tensors[0].device.type, enabled=False):
+            dh, dw = _lean_backward(ctx, grad_loss)
+        return dh, dw, None, None
+
+
+def _lean_backward(ctx, grad_loss):
+    hidden, weight, idx, y_valid, m, inv_s, tgt = ctx.saved_tensors
+    reduction, softcap, eps, v_s, r, all_valid = ctx.cfg
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    n, h = hidden.shape
+    v = weight.shape[0]
+    n_valid = int(idx.numel())
+    if grad_loss is None or n_valid == 0 or not (need_h or need_w):
+        return (torch.zeros_like(hidden) if need_h else None), (torch.zeros_like(weight) if need_w else None)
+    dtype = hidden.dtype
+    S = _dz_scale(dtype)
+    c = _row_coefficients(grad_loss, idx, all_valid, reduction, n_valid)
+    uniform = c.dim() == 0
+    c_w = None
+    if uniform:
+        w_post = c / S
+    else:  # dW: rows scaled by c / 2^k (|c / 2^k| <= 1) before their one rounding, 2^k / S after the GEMM
+        k = torch.frexp(c.abs().max())[1]
+        pow2 = torch.ldexp(torch.ones((), device=c.device), k)
+        c_w = c / pow2
+        w_post = pow2 / S
+    targets = _Targets(y_valid, idx, all_valid, _target_coef(tgt, softcap, eps, S), c_w) if eps < 1.0 else None
+    bounds = targets.slab_bounds(v, v_s) if targets is not None and need_w else None
+    dh_acc = torch.zeros(n_valid, h, device=hidden.device, dtype=torch.float32) if need_h else None
+    dw = torch.empty_like(weight) if need_w else None
+    one_block = r >= n_valid
+    h_all = _gather(hidden, idx, all_valid, slice(0, n_valid), True) if one_block else None
+    for s0 in range(0, v, v_s):
+        w_s = weight[s0 : s0 + v_s]
+        dw_slab = None
+        for r0 in range(0, n_valid, r):
+            rows = slice(r0, r0 + r)
+            h_r = h_all if one_block else _gather(hidden, idx, all_valid, rows, False)
+            z = _mm_f32(h_r, w_s.t())
+            dz = torch.empty(z.shape, device=z.device, dtype=dtype)
+            _launch_dz(z, dz, m[rows], inv_s[rows], softcap, eps, v, S)
             del z
-        denom = torch.tensor(float(max(n_valid, 1)) if normalize else 1.0, device=hidden.device)
-        ctx.save_for_backward(hidden, weight, idx, y_valid, lse, denom)
-        ctx.cfg = (softcap, v_s, r, all_valid)
-        return total / denom
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        with torch.autocast(device_type=grad_out.device.type, enabled=False):
-            return _TritonFLCE._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx, grad_out):
-        hidden, weight, idx, y_valid, lse, denom = ctx.saved_tensors
-        softcap, v_s, r, all_valid = ctx.cfg
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        n, h = hidden.shape
-        v = weight.shape[0]
-        n_valid = int(idx.numel())
-        dh = torch.zeros_like(hidden) if need_h else None
-        dw = (torch.zeros_like(weight) if n_valid == 0 else torch.empty_like(weight)) if need_w else None
-        if n_valid == 0 or not (need_h or need_w):
-            return dh, dw, None, None, None, None, None
-        scale = (grad_out.float() / denom).reshape(1).contiguous()
-        dh_acc = torch.zeros(n_valid, h, device=hidden.device, dtype=torch.float32) if need_h else None
-        one_block = r >= n_valid
-        h_rows = None
-        if one_block:
-            h_rows = hidden if all_valid else hidden.index_select(0, idx)
-        block = min(1024, triton.next_power_of_2(v_s))
-        for s0 in range(0, v, v_s):
-            w_s = weight[s0 : s0 + v_s]
-            vs = w_s.shape[0]
-            dw_acc = None
-            if need_w and not one_block:
-                dw_acc = torch.zeros(vs, h, device=weight.device, dtype=torch.float32)
+            if need_h:
+                _addmm_f32_(dh_acc[rows], dz, w_s)
+            if need_w:
+                h_w = h_r if uniform else (h_r * c_w[rows].unsqueeze(1)).to(dtype)
+                if dw_slab is None:
+                    dw_slab = _mm_f32(dz.t(), h_w)
+                else:
+                    _addmm_f32_(dw_slab, dz.t(), h_w)
+                del h_w
+            del dz, h_r
+        if need_w:
+            if bounds is not None:
+                k0 = s0 // v_s
+                targets.add_dw(dw_slab, hidden, bounds[k0], bounds[k0 + 1], s0)
+            torch.mul(dw_slab, w_post, out=dw[s0 : s0 + v_s])
+            del dw_slab
+    del h_all
+    dh = None
+    if need_h:
+        if targets is not None:
+            targets.add_dh(dh_acc, weight)
+        h_post = (c / S) if uniform else (c / S).unsqueeze(1)
+        if all_valid:
+            dh = torch.empty_like(hidden)
+            torch.mul(dh_acc, h_post, out=dh)
+        else:
+            dh = torch.zeros_like(hidden)
+            tmp = torch.empty(min(r, n_valid), h, device=hidden.device, dtype=dtype)
             for r0 in range(0, n_valid, r):
                 rows = slice(r0, r0 + r)
-                if one_block:
-                    h_r = h_rows
-                else:
-                    h_r = hidden[rows] if all_valid else hidden.index_select(0, idx[rows])
-                z = _mm_f32(h_r, w_s.t())
-                dz = torch.empty(z.shape, device=z.device, dtype=hidden.dtype)
-                _dz_kernel[(z.shape[0], triton.cdiv(vs, block))](
-                    z, z.stride(0), dz, dz.stride(0), y_valid[rows], lse[rows], scale, vs, s0,
-                    float(softcap or 1.0), HAS_SOFTCAP=softcap is not None, BLOCK=block, num_warps=4,
-                )
-                del z
-                if need_h:
-                    _addmm_f32_(dh_acc[rows], dz, w_s)
-                if need_w:
-                    if one_block:
-                        torch.mm(dz.t(), h_r, out=dw[s0 : s0 + vs])
-                    else:
-                        _addmm_f32_(dw_acc, dz.t(), h_r)
-                del dz
-            if dw_acc is not None:
-                dw[s0 : s0 + vs] = dw_acc
-        if need_h:
-            if all_valid:
-                dh.copy_(dh_acc)
-            else:
-                dh.index_copy_(0, idx, dh_acc.to(hidden.dtype))
-        return dh, dw, None, None, None, None, None
+                t = tmp[: dh_acc[rows].shape[0]]
+                torch.mul(dh_acc[rows], h_post if uniform else h_post[rows], out=t)
+                dh.index_copy_(0, idx[rows], t)
+    return dh, dw
 
 
-class _TritonFLCEFast(torch.autograd.Function):
-    """Gradients computed in forward (``6 N_v H V``): per chunk of ``c`` valid rows, fp32 logits
-    ``[c, V]`` -> lse -> ``dz`` -> ``dh_c = dz @ W`` (final) and ``dW += dz^T h_c`` into an fp32
-    ``[V, H]`` accumulator. 25% fewer flops than the lean path, for ``4 V H`` (+ the ``[c, V]``
-    chunk) of extra memory; backward only scales the saved gradients."""
+class _FastFLCE(torch.autograd.Function):
+    """Gradients in forward (``6 N_v H V``): per chunk of ``c`` valid rows, fp32 logits ``[c, V]``
+    -> lse -> dz -> ``dh_c = dz @ W`` and ``dW += dz^T h_c``, both fp32; backward multiplies by
+    ``grad_output / n_valid`` (fp32) and rounds once."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, normalize, softcap, chunk_bytes):
+    def forward(ctx, hidden, weight, labels, cfg):
+        ignore_index, reduction, softcap, eps, chunk_bytes = cfg
         n, h = hidden.shape
         v = weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        valid = labels != ignore_index
-        idx = valid.nonzero().squeeze(1)
+        idx = (labels != ignore_index).nonzero().squeeze(1)
         n_valid = int(idx.numel())
         all_valid = n_valid == n
         y_valid = labels if all_valid else labels.index_select(0, idx)
-        denom = float(max(n_valid, 1)) if normalize else 1.0
-        scale = torch.full((1,), 1.0 / denom, device=hidden.device, dtype=torch.float32)
-        dh = torch.zeros_like(hidden) if need_h else None
-        dw_acc = torch.zeros(v, h, device=weight.device, dtype=torch.float32) if need_w else None
-        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
-        c = max(16, min(max(n_valid, 1), (chunk_bytes // (6 * v)) // 16 * 16))
-        block = 1024
+        dtype = ctx.dtype = hidden.dtype
+        S = _dz_scale(dtype)
+        dh_raw = torch.empty(n_valid, h, device=hidden.device, dtype=torch.float32) if need_h else None
+        dw_raw = torch.zeros(v, h, device=weight.device, dtype=torch.float32) if need_w else None
+        lse = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
+        loss_rows = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
+        tgt = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
+        c = max(16, min(max(n_valid, 1), (chunk_bytes // ((4 + hidden.element_size()) * v)) // 16 * 16))
         wt = weight.t()
         for s0 in range(0, n_valid, c):
             rows = slice(s0, s0 + c)
-            h_c = hidden[rows] if all_valid else hidden.index_select(0, idx[rows])
-            z = _mm_f32(h_c, wt)
-            lse_c = _lse(z, softcap)
+            h_c = _gather(hidden, idx, all_valid, rows, False)
             y_c = y_valid[rows]
-            total += (lse_c - _capped(z.gather(1, y_c.unsqueeze(1)).squeeze(1), softcap)).sum()
-            if need_h or need_w:
-                dz = torch.empty(z.shape, device=z.device, dtype=hidden.dtype)
-                _dz_kernel[(z.shape[0], triton.cdiv(v, block))](
-                    z, z.stride(0), dz, dz.stride(0), y_c, lse_c, scale, v, 0, float(softcap or 1.0),
-                    HAS_SOFTCAP=softcap is not None, BLOCK=block, num_warps=4,
-                )
-                del z
-                if need_h:
-                    dh_c = torch.mm(dz, weight)
-                    if all_valid:
-                        dh[rows] = dh_c
-                    else:
-                        dh.index_copy_(0, idx[rows], dh_c)
-                if need_w:
-                    _addmm_f32_(dw_acc, dz.t(), h_c)
-                del dz
-        dw = None
-        if need_w:
-            dw = dw_acc.to(weight.dtype)
-            del dw_acc
-        ctx.save_for_backward(*(t for t in (dh, dw) if t is not None))
-        ctx.has = (need_h, need_w)
-        return total / denom
+            z = _mm_f32(h_c, wt)
+            m_c, s_c, t_c, zs_c = _chunk_stats(z, y_c, softcap, eps)
+            lse[rows], loss_rows[rows], inv_s_c = _finish(m_c, s_c, t_c, zs_c, eps, v)
+            dz = torch.empty(z.shape, device=z.device, dtype=dtype)
+            tgt[rows] = t_c
+            _launch_dz(z, dz, m_c, inv_s_c, softcap, eps, v, S)
+            del z
+            if need_h:
+                _mm_f32(dz, weight, out=dh_raw[rows])
+            if need_w:
+                _addmm_f32_(dw_raw, dz.t(), h_c)
+            del dz, h_c
+        if n_valid and eps < 1.0 and (need_h or need_w):
+            targets = _Targets(y_valid, idx, all_valid, _target_coef(tgt, softcap, eps, S))
+            if need_h:
+                targets.add_dh(dh_raw, weight)
+            if need_w:
+                targets.add_dw(dw_raw, hidden, 0, targets.labels.numel(), 0)
+        ctx.save_for_backward(*(x for x in (dh_raw, dw_raw, idx) if x is not None))
+        ctx.cfg = (need_h, need_w, reduction, all_valid, n, S)
+        ctx.set_materialize_grads(False)
+        loss, lse_full = _outputs(loss_rows, lse, idx, n, all_valid, reduction)
+        ctx.mark_non_differentiable(lse_full)
+        return loss, lse_full
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_loss, _grad_lse):
         saved = list(ctx.saved_tensors)
-        need_h, need_w = ctx.has
-        dh = saved.pop(0) if need_h else None
-        dw = saved.pop(0) if need_w else None
-        if not bool(grad_out == 1):
-            dh = dh * grad_out.to(dh.dtype) if dh is not None else None
-            dw = dw * grad_out.to(dw.dtype) if dw is not None else None
-        return dh, dw, None, None, None, None, None
+        need_h, need_w, reduction, all_valid, n, S = ctx.cfg
+        dh_raw = saved.pop(0) if need_h else None
+        dw_raw = saved.pop(0) if need_w else None
+        idx = saved.pop(0)
+        if grad_loss is None:
+            return None, None, None, None
+        n_valid = int(idx.numel())
+        scale = grad_loss.float() / (S * (max(n_valid, 1) if reduction == "mean" else 1))
+        dh = dw = None
+        if dw_raw is not None:
+            dw = torch.empty(dw_raw.shape, device=dw_raw.device, dtype=ctx.dtype)
+            torch.mul(dw_raw, scale, out=dw)
+        if dh_raw is not None:
+            if all_valid:
+                dh = torch.empty(dh_raw.shape, device=dh_raw.device, dtype=ctx.dtype)
+                torch.mul(dh_raw, scale, out=dh)
+            else:
+                dh = torch.zeros(n, dh_raw.shape[1], device=dh_raw.device, dtype=ctx.dtype)
+                if n_valid:
+                    tmp = torch.empty(dh_raw.shape, device=dh_raw.device, dtype=ctx.dtype)
+                    torch.mul(dh_raw, scale, out=tmp)
+                    dh.index_copy_(0, idx, tmp)
+        return dh, dw, None, None
+
+
+def _forward_only(hidden, weight, labels, ignore_index, reduction, softcap, eps, mem_budget):
+    n, h = hidden.shape
+    v = weight.shape[0]
+    idx = (labels != ignore_index).nonzero().squeeze(1)
+    n_valid = int(idx.numel())
+    all_valid = n_valid == n
+    y_valid = labels if all_valid else labels.index_select(0, idx)
+    if isinstance(mem_budget, tuple):
+        v_s, r = mem_budget
+    else:
+        v_s, r = plan_tiles(n_valid, h, v, need_h=False, need_w=False, all_valid=all_valid,
+                            elt=hidden.element_size(), mem_budget=mem_budget)
+    lse, loss_rows, *_ = _lean_forward(hidden, weight, idx, y_valid, all_valid, softcap, eps, v_s, min(r, max(n_valid, 1)))
+    return _outputs(loss_rows, lse, idx, n, all_valid, reduction)
 
 
 def fused_linear_cross_entropy_triton(
@@ -343,22 +615,29 @@ def fused_linear_cross_entropy_triton(
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
+    label_smoothing: float = 0.0,
     softcap: float | None = None,
+    return_lse: bool = False,
     mem_budget: int = DEFAULT_MEM_BUDGET,
     tiles: tuple[int, int, int] | None = None,
     fast: bool = False,
-) -> torch.Tensor:
-    """Triton backend of :func:`llamafactory_liger_fsdp.ops.fused_linear_cross_entropy`.
+):
+    """Triton backend of :func:`llamafactory_liger_fsdp.ops.fused_linear_cross_entropy` (labels
+    must already be checked). ``tiles=(c, v_s, R)`` overrides the planning (``c``: fast path row
+    chunk; ``(v_s, R)``: lean tiles) so tests reach every loop path.
 
-    ``tiles=(c, v_s, R)`` overrides :func:`plan_tiles` (tests use it to reach every loop path)."""
+    Without a gradient to compute (grad mode off, or neither input requires grad) only the
+    forward runs (lean tiles, ``2 N_v H V`` flops, no gradient buffers), for both variants."""
+    eps = float(label_smoothing)
     with torch.autocast(device_type=hidden.device.type, enabled=False):
-        if fast:
-            chunk_bytes = FAST_CHUNK_BYTES if tiles is None else 6 * weight.shape[0] * tiles[0]
-            return _TritonFLCEFast.apply(
-                hidden.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index, reduction == "mean",
-                softcap, chunk_bytes,
-            )
-        return _TritonFLCE.apply(
-            hidden.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index, reduction == "mean",
-            softcap, mem_budget if tiles is None else tiles,
-        )
+        hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
+        lean_tiles = mem_budget if tiles is None else (tiles[1], tiles[2])
+        if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+            loss, lse = _forward_only(hidden, weight, labels, ignore_index, reduction, softcap, eps, lean_tiles)
+        elif fast and reduction != "none":
+            chunk_bytes = FAST_CHUNK_BYTES if tiles is None else (4 + hidden.element_size()) * weight.shape[0] * tiles[0]
+            loss, lse = _FastFLCE.apply(hidden, weight, labels, (ignore_index, reduction, softcap, eps, chunk_bytes))
+        else:
+            loss, lse = _LeanFLCE.apply(hidden, weight, labels, (ignore_index, reduction, softcap, eps, lean_tiles))
+    return (loss, lse) if return_lse else loss
+
