@@ -1,12 +1,14 @@
 """Fused linear cross-entropy on one GPU: ours against torch, torch.compile, Liger and Cut Cross-Entropy.
 
-One run measures, at each shape (bf16, 25% ignored labels): forward+backward time (CUDA events,
-warm-up, median), peak extra memory, and each implementation's loss / dX / dW error against an
-fp32 reference computed from the same bf16 inputs; plus the bf16 matmul rate of this card in the
-same run, which sets the floor ``6 N H V / rate``. Prints a table, writes JSON.
+Benchmark (default): at each shape (bf16, 25% ignored labels), forward+backward time (CUDA events,
+warm-up, median), peak extra memory, and each implementation's loss / dX / dW error against an fp32
+reference computed from the same bf16 inputs; plus the bf16 matmul rate of this card in the same
+run, which sets the floor ``6 N H V / rate``. ``--check``: real-size correctness of every backend
+(float64 reference, plain torch in the same dtype, the rounding floor), reductions, label smoothing,
+fp16, large logits, determinism, bad labels, the forward-only path. Both write JSON row by row.
 
-    python bench/bench_flce.py --out bench/results/h200.json
-    python bench/bench_flce.py --check        # real-size correctness of our kernel (float64 reference)
+    python bench/bench_flce.py --out bench/results/h200_kernel2.json
+    python bench/bench_flce.py --check --out bench/results/h200_kernel2_check.json
 
 Memory: ``peak_extra_mib`` is the peak allocated during forward+backward above what was allocated
 before (inputs), *minus the two gradients every implementation must return* (dX and dW in the
@@ -28,9 +30,19 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-SHAPES = [(8192, 4096, 128256), (16384, 4096, 128256), (16384, 3584, 152064)]
+SHAPES = [
+    (8192, 4096, 128256), (16384, 4096, 128256), (16384, 3584, 152064),
+    (32768, 4096, 128256), (8192, 8192, 128256), (8192, 3840, 262208),
+]
 IMPLS = ["project", "project_fast", "liger", "cce", "torch", "torch_compile"]
 MIB = 1024 * 1024
+T0 = time.time()
+
+
+def _dump(path, obj):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 # --------------------------------------------------------------------------- implementations
@@ -42,14 +54,16 @@ _compiled = None
 
 
 def make_impl(name):
-    if name == "project":
+    if name in ("project", "project_fast"):
         from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
 
-        return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend="triton")
-    if name == "project_fast":
-        from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
+        backend = "triton" if name == "project" else "triton_fast"
+        return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend=backend)
+    if name.startswith("project_budget"):  # the lean path with another memory budget, e.g. project_budget1024
+        from llamafactory_liger_fsdp.ops.triton_flce import fused_linear_cross_entropy_triton
 
-        return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend="triton_fast")
+        budget = int(name[len("project_budget"):]) * MIB
+        return lambda h, w, y: fused_linear_cross_entropy_triton(h, w, y, mem_budget=budget)
     if name == "torch":
         return _torch_loss
     if name == "torch_compile":
@@ -86,35 +100,53 @@ def matmul_tflops(n=8192, reps=10):
     return 2 * n**3 / (statistics.median(times) * 1e-3) / 1e12
 
 
-def make_inputs(n, h, v, seed=0, dtype=torch.bfloat16, ignore=0.25):
+def make_inputs(n, h, v, seed=0, dtype=torch.bfloat16, ignore=0.25, scale=1.0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    hidden = torch.randn(n, h, device="cuda", generator=g, dtype=torch.float32).to(dtype)
+    hidden = (torch.randn(n, h, device="cuda", generator=g, dtype=torch.float32) * scale).to(dtype)
     weight = (torch.randn(v, h, device="cuda", generator=g, dtype=torch.float32) * (2.0 / math.sqrt(h))).to(dtype)
     y = torch.randint(0, v, (n,), device="cuda", generator=g)
     y[torch.rand(n, device="cuda", generator=g) < ignore] = -100
     return hidden, weight, y
 
 
-def reference(hidden, weight, y, dtype=torch.float32, chunk=2048, softcap=None):
-    """Loss and grads in ``dtype`` from the (upcast) inputs, chunked so any shape fits."""
-    w = weight.detach().to(dtype).requires_grad_()
-    dh = torch.empty(hidden.shape, device=hidden.device, dtype=dtype)
+def _ce(z, y, reduction, eps, grad_rows, n_valid):
+    """The scalar to backpropagate: mean / sum / sum_i c_i loss_i, and the loss itself."""
+    if reduction == "none":
+        rows = torch.nn.functional.cross_entropy(z, y, ignore_index=-100, reduction="none", label_smoothing=eps)
+        return (rows * grad_rows.to(rows.dtype)).sum(), rows.detach()
+    s = torch.nn.functional.cross_entropy(z, y, ignore_index=-100, reduction="sum", label_smoothing=eps)
+    if reduction == "mean":
+        s = s / n_valid
+    return s, s.detach()
+
+
+def reference(hidden, weight, y, dtype=torch.float32, chunk=2048, softcap=None, reduction="mean", eps=0.0,
+              grad_rows=None, plain=False):
+    """Loss and grads, chunked so any shape fits. ``plain``: what the unfused model computes in the
+    inputs' dtype (logits from one matmul in that dtype, fp32 loss); else everything in ``dtype``."""
+    w = weight.detach().clone() if plain else weight.detach().to(dtype)
+    w.requires_grad_()
+    dh = torch.empty(hidden.shape, device=hidden.device, dtype=hidden.dtype if plain else dtype)
     n_valid = max(int((y != -100).sum()), 1)
-    total = 0.0
+    losses = []
     for s in range(0, hidden.shape[0], chunk):
-        h = hidden[s : s + chunk].detach().to(dtype).requires_grad_()
-        z = h @ w.t()
+        h = (hidden[s : s + chunk].detach().clone() if plain else hidden[s : s + chunk].detach().to(dtype))
+        h.requires_grad_()
+        z = (h @ w.t()).float() if plain else h @ w.t()
         if softcap is not None:
             z = softcap * torch.tanh(z / softcap)
-        loss = torch.nn.functional.cross_entropy(z, y[s : s + chunk], ignore_index=-100, reduction="sum") / n_valid
-        loss.backward()
+        scalar, loss = _ce(z, y[s : s + chunk], reduction, eps, None if grad_rows is None else grad_rows[s : s + chunk],
+                           n_valid)
+        scalar.backward()
         dh[s : s + chunk] = h.grad
-        total += float(loss)
-    return total, dh, w.grad
+        losses.append(loss.double())
+    loss = torch.cat(losses) if reduction == "none" else sum(losses)
+    return loss, dh, w.grad
 
 
 def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def run_once(fn, h, w, y):
@@ -131,12 +163,12 @@ def bench_impl(name, shape, rate, reps, warmup, ref):
     ref_loss, ref_dh, ref_dw = ref
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
-    fn = make_impl(name)
     row = {"impl": name, "N": n, "H": hd, "V": v, "floor_ms": 6 * n * hd * v / (rate * 1e12) * 1e3}
     try:
+        fn = make_impl(name)
         loss = run_once(fn, h, w, y)  # compile / autotune
         torch.cuda.synchronize()
-        row["err_loss"] = abs(float(loss) - ref_loss) / abs(ref_loss)
+        row["err_loss"] = abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))
         row["err_dx"] = rel(h.grad, ref_dh)
         row["err_dw"] = rel(w.grad, ref_dw)
         for _ in range(warmup):
@@ -176,72 +208,125 @@ def bench_impl(name, shape, rate, reps, warmup, ref):
 
 # --------------------------------------------------------------------------- correctness at real sizes
 CHECKS = [
-    # (N, H, V, dtype, softcap, ignore)
-    (4096, 896, 151936, torch.bfloat16, None, 0.25),
-    (2048, 8192, 32000, torch.bfloat16, None, 0.25),
-    (4096, 4096, 128256, torch.bfloat16, None, 0.25),
-    (2048, 2304, 256000, torch.bfloat16, 30.0, 0.25),
-    (3001, 3584, 152064, torch.float16, None, 0.1),
-    (1500, 4096, 128256, torch.float32, None, 0.25),
-    (1024, 4096, 128256, torch.bfloat16, None, 1.0),
+    # (N, H, V, dtype, softcap, ignore, reduction, label_smoothing, hidden scale)
+    (4096, 4096, 128256, torch.bfloat16, None, 0.25, "mean", 0.0, 1.0),
+    (4096, 4096, 128256, torch.bfloat16, None, 0.25, "sum", 0.0, 1.0),
+    (4096, 4096, 128256, torch.bfloat16, None, 0.25, "none", 0.0, 1.0),
+    (4096, 4096, 128256, torch.bfloat16, None, 0.25, "mean", 0.1, 1.0),
+    (4096, 896, 151936, torch.bfloat16, None, 0.25, "mean", 0.0, 1.0),
+    (2048, 8192, 32000, torch.bfloat16, None, 0.25, "mean", 0.0, 1.0),
+    (2048, 2304, 256000, torch.bfloat16, 30.0, 0.25, "mean", 0.0, 1.0),
+    (3001, 3584, 152064, torch.float16, None, 0.1, "mean", 0.0, 1.0),
+    (3001, 3584, 152064, torch.float16, None, 0.1, "none", 0.1, 1.0),
+    (1500, 4096, 128256, torch.float32, None, 0.25, "mean", 0.0, 1.0),
+    (1500, 4096, 32000, torch.float32, None, 0.25, "mean", 0.0, 100.0),  # large logits
+    (1024, 4096, 128256, torch.bfloat16, None, 1.0, "mean", 0.0, 1.0),  # all ignored
 ]
 
 
-def check(out_rows):
+def check(out_rows, out_path):
     from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
 
-    for (n, hd, v, dtype, softcap, ignore), backend in [(c, b) for c in CHECKS for b in ("triton", "triton_fast")]:
-        hidden, weight, y = make_inputs(n, hd, v, seed=1, dtype=dtype, ignore=ignore)
-        h = hidden.clone().requires_grad_()
-        w = weight.clone().requires_grad_()
-        loss = fused_linear_cross_entropy(h, w, y, softcap=softcap, backend=backend)
-        loss.backward()
-        first = (float(loss), h.grad.clone(), w.grad.clone())
-        h.grad = w.grad = None
-        loss2 = fused_linear_cross_entropy(h, w, y, softcap=softcap, backend=backend)
-        loss2.backward()
-        deterministic = float(loss2) == first[0] and torch.equal(h.grad, first[1]) and torch.equal(w.grad, first[2])
-        row = {"backend": backend, "N": n, "H": hd, "V": v, "dtype": str(dtype).split(".")[-1], "softcap": softcap, "ignore": ignore,
-               "finite": bool(torch.isfinite(loss)), "deterministic": deterministic}
+    for n, hd, v, dtype, softcap, ignore, reduction, eps, scale in CHECKS:
+        hidden, weight, y = make_inputs(n, hd, v, seed=1, dtype=dtype, ignore=ignore, scale=scale)
+        g = None
+        if reduction == "none":
+            g = torch.exp(torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3)))
+        base = {"N": n, "H": hd, "V": v, "dtype": str(dtype).split(".")[-1], "softcap": softcap, "ignore": ignore,
+                "reduction": reduction, "label_smoothing": eps, "hidden_scale": scale}
+        ref = plain = None
         if ignore < 1.0:
-            ref_loss, ref_dh, ref_dw = reference(hidden, weight, y, dtype=torch.float64, chunk=1024, softcap=softcap)
-            row.update(err_loss=abs(first[0] - ref_loss) / abs(ref_loss), err_dx=rel(first[1], ref_dh), err_dw=rel(first[2], ref_dw))
-            if dtype != torch.float32:  # what plain torch in the same dtype gets
-                hh = hidden.clone().requires_grad_()
-                ww = weight.clone().requires_grad_()
-                for s in range(0, n, 1024):
-                    z = (hh[s : s + 1024] @ ww.t()).float()
-                    if softcap is not None:
-                        z = softcap * torch.tanh(z / softcap)
-                    (torch.nn.functional.cross_entropy(z, y[s : s + 1024], ignore_index=-100, reduction="sum")
-                     / max(int((y != -100).sum()), 1)).backward()
-                row.update(torch_err_dx=rel(hh.grad, ref_dh), torch_err_dw=rel(ww.grad, ref_dw))
-                del hh, ww
-            del ref_dh, ref_dw
-        else:
-            row.update(loss=first[0], grads_zero=bool((first[1] == 0).all() and (first[2] == 0).all()))
+            ref = reference(hidden, weight, y, dtype=torch.float64, chunk=1024, softcap=softcap, reduction=reduction,
+                            eps=eps, grad_rows=g)
+            plain = reference(hidden, weight, y, chunk=1024, softcap=softcap, reduction=reduction, eps=eps, grad_rows=g,
+                              plain=True)
+            base.update(
+                floor_dx=rel(ref[1].to(dtype), ref[1]), floor_dw=rel(ref[2].to(dtype), ref[2]),
+                plain_dx=rel(plain[1], ref[1]), plain_dw=rel(plain[2], ref[2]), plain_loss=rel(plain[0], ref[0]),
+            )
+        for backend in ("torch", "triton", "triton_fast"):
+            row = dict(base, backend=backend)
+            try:
+                outs = []
+                for _ in range(2):
+                    h = hidden.clone().requires_grad_()
+                    w = weight.clone().requires_grad_()
+                    loss = fused_linear_cross_entropy(h, w, y, softcap=softcap, reduction=reduction,
+                                                      label_smoothing=eps, backend=backend)
+                    loss.backward(g if reduction == "none" else None)
+                    outs.append((loss.detach(), h.grad, w.grad))
+                    del h, w
+                row["deterministic"] = all(torch.equal(a, b) for a, b in zip(*outs))
+                loss, dh, dw = outs[0]
+                row["finite"] = bool(torch.isfinite(loss).all())
+                if ref is not None:
+                    row.update(err_loss=rel(loss, ref[0]), err_dx=rel(dh, ref[1]), err_dw=rel(dw, ref[2]))
+                    if dtype != torch.float32 or scale != 1.0:
+                        row.update(x_plain_dx=row["err_dx"] / base["plain_dx"], x_plain_dw=row["err_dw"] / base["plain_dw"])
+                else:
+                    row.update(loss=float(loss.sum()), grads_zero=bool((dh == 0).all() and (dw == 0).all()))
+                del outs, loss, dh, dw
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            out_rows.append(row)
+            print("check", json.dumps(row), flush=True)
+            _dump(out_path, out_rows)
+        del hidden, weight, ref, plain
+        torch.cuda.empty_cache()
+    _extra_checks(out_rows, out_path)
+
+
+def _extra_checks(out_rows, out_path):
+    """Bad labels (one Python error, CUDA still usable) and the forward-only path (time, memory)."""
+    from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
+
+    hidden, weight, y = make_inputs(8192, 4096, 128256, seed=2)
+    for backend in ("torch", "triton", "triton_fast"):
+        bad = y.clone()
+        bad[100] = 128256
+        try:
+            fused_linear_cross_entropy(hidden, weight, bad, backend=backend)
+            msg = "no error"
+        except ValueError as exc:
+            msg = str(exc)
+        ok = float(fused_linear_cross_entropy(hidden, weight, y, backend=backend))  # context still usable
+        row = {"check": "bad_label", "backend": backend, "message": msg[:200], "after": ok}
         out_rows.append(row)
         print("check", json.dumps(row), flush=True)
-        del h, w, hidden, weight, first
-        torch.cuda.empty_cache()
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    for backend in ("triton", "triton_fast"):
+        for mode in ("no_grad", "grad"):
+            fn = lambda: fused_linear_cross_entropy(h, w, y, backend=backend)  # noqa: E731
+            times = []
+            for i in range(6):
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                if mode == "no_grad":
+                    with torch.no_grad():
+                        loss = fn()
+                else:
+                    loss = fn()
+                e.record()
+                torch.cuda.synchronize()
+                if i:
+                    times.append(s.elapsed_time(e))
+                peak = (torch.cuda.max_memory_allocated() - base) / MIB
+                del loss
+            row = {"check": "forward_only", "backend": backend, "mode": mode, "N": y.numel(), "H": h.shape[1], "V": w.shape[0],
+                   "forward_ms": statistics.median(times), "forward_peak_mib": peak}
+            out_rows.append(row)
+            print("check", json.dumps(row), flush=True)
+    _dump(out_path, out_rows)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/h200.json")
-    ap.add_argument("--impls", default=",".join(IMPLS))
-    ap.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES))
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--check", action="store_true", help="real-size correctness of our kernel only")
-    args = ap.parse_args()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    meta = {
-        "card": torch.cuda.get_device_name(0),
-        "date": time.strftime("%Y-%m-%d"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
+def _meta():
+    meta = {"card": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+            "python": platform.python_version()}
     for mod in ("triton", "liger_kernel", "cut_cross_entropy", "transformers"):
         try:
             meta[mod] = __import__(mod).__version__
@@ -252,33 +337,50 @@ def main():
                 meta[mod] = version(mod.replace("_", "-"))
             except Exception:
                 meta[mod] = None
+    return meta
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/h200_kernel2.json")
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--deadline-s", type=float, default=1e9, help="skip what is left after this many seconds")
+    ap.add_argument("--check", action="store_true", help="real-size correctness of every backend")
+    args = ap.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    meta = _meta()
     if args.check:
         rows = []
-        check(rows)
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "checks": rows}, f, indent=1)
+        check(rows, args.out)
+        _dump(args.out, {"meta": meta, "checks": rows})
         return
     rate = matmul_tflops()
     meta["bf16_matmul_tflops"] = rate
     print(f"# {meta}", flush=True)
+    _dump(args.out.replace(".json", "_meta.json"), meta)
     rows = []
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
     for shape in shapes:
-        ref = reference(*make_inputs(*shape))
+        ref = None
         for name in args.impls.split(","):
-            row = bench_impl(name, shape, rate, args.reps, args.warmup, ref)
+            if time.time() - T0 > args.deadline_s:
+                row = {"impl": name, "N": shape[0], "H": shape[1], "V": shape[2], "skipped": "deadline"}
+            else:
+                if ref is None:
+                    ref = reference(*make_inputs(*shape))
+                row = bench_impl(name, shape, rate, args.reps, args.warmup, ref)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            _dump(args.out, rows)
         del ref
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(args.out.replace(".json", "_meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
     print(f"\n{'impl':14s} {'N x H x V':22s} {'ms':>8s} {'floor':>7s} {'x':>5s} {'MiB':>8s} {'MiB+g':>8s} {'err_dx':>8s} {'err_dw':>8s}")
     for r in rows:
-        if "error" in r:
-            print(f"{r['impl']:14s} {r['N']}x{r['H']}x{r['V']}  ERROR {r['error'][:80]}")
+        if "error" in r or "skipped" in r:
+            print(f"{r['impl']:14s} {r['N']}x{r['H']}x{r['V']}  {r.get('error', 'skipped')[:80]}")
             continue
         print(
             f"{r['impl']:14s} {str(r['N']) + 'x' + str(r['H']) + 'x' + str(r['V']):22s} {r['ms']:8.2f} {r['floor_ms']:7.2f} "
