@@ -21,7 +21,6 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
 def main() -> int:
@@ -29,8 +28,9 @@ def main() -> int:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
-    import tiny
-    from llamafactory_liger_fsdp import checkpoint, head
+    from llamafactory_liger_fsdp import testing as tiny
+    from llamafactory_liger_fsdp.checkpoint import repair as checkpoint
+    from llamafactory_liger_fsdp.engage import engage
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -41,7 +41,7 @@ def main() -> int:
         torch.cuda.set_device(0)
     torch.manual_seed(0)
     model = tiny.make_peft(tiny.make_model("llama"), "mts").to(dev)
-    head.engage(model, backend="triton" if cuda else "torch")
+    engage(model, backend="triton" if cuda else "torch")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.base_model.model.model.layers:
         fully_shard(layer, mp_policy=mp)

@@ -1,4 +1,4 @@
-"""The seed's scenario on several GPUs (issue 6): LLaMA-Factory SFT, LoRA ``lora_target: all`` +
+"""The seed's scenario on several GPUs: LLaMA-Factory SFT, LoRA ``lora_target: all`` +
 ``additional_target: embed_tokens,lm_head``, sharded over ``--nproc`` ranks.
 
 Parts (``--parts``, comma separated; every run is a real torchrun launch of LLaMA-Factory's
@@ -84,6 +84,8 @@ def main():
     ap.add_argument("--head-tokens", type=int, default=16384)
     ap.add_argument("--fsdp", default="1,2", help="FSDP versions for curves/heads")
     ap.add_argument("--cpu-smoke", action="store_true", help="2 gloo ranks on the CPU, the tiny model, tiny steps")
+    ap.add_argument("--cpu-shim", default=None, help="with --cpu-smoke: a directory put on PYTHONPATH that lets "
+                    "accelerate shard on CPU ranks (the test suite passes its tests/cpu_fsdp_shim)")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
     parts = args.parts.split(",")
@@ -93,7 +95,9 @@ def main():
     common = {}
     if args.cpu_smoke:
         # the test-only shim lets accelerate shard on CPU ranks; Liger's Triton kernels run interpreted
-        env.update(PYTHONPATH=os.pathsep.join(p for p in (os.path.join(ROOT, "tests", "cpu_fsdp_shim"), os.environ.get("PYTHONPATH")) if p),
+        if not args.cpu_shim:
+            ap.error("--cpu-smoke needs --cpu-shim (accelerate never shards on CPU ranks on its own)")
+        env.update(PYTHONPATH=os.pathsep.join(p for p in (args.cpu_shim, os.environ.get("PYTHONPATH")) if p),
                    OMP_NUM_THREADS="1", TRITON_INTERPRET="1", CPU_FSDP_SHIM_SKIP_SAVE="1", LF_BENCH_LIGER_LOSS_ONLY="1")
         common = dict(use_cpu=True, bf16=False, lora_rank=4, preprocessing_num_workers=1, learning_rate=1e-3,
                       per_device_train_batch_size=2, packing=False)

@@ -1,16 +1,17 @@
-"""llamafactory-liger-fsdp: an exact, FSDP-safe fused lm_head loss for LLaMA-Factory.
+"""llamafactory-liger-fsdp: an exact fused lm_head loss for LLaMA-Factory under FSDP, DDP or one device.
 
-Layers, top to bottom (nothing imports anything above it):
+Module map (nothing imports anything above it; docs/design.md has the why):
 
-* ``_bootstrap``  -- import-time hook installed by a ``.pth`` file; imports no torch.
-* ``integration`` -- every patch of third-party code (LLaMA-Factory parser and loader, accelerate's FSDP wrap policies).
-* ``head``        -- the generic causal-LM forward; the loss is computed in ``head.head_loss``.
-* ``wrapping``    -- the head as its own FSDP unit; the call *through* the unit (where weights are gathered).
-* ``families``    -- per-family quirks (softcap, MoE aux loss); ``config`` -- the yaml keys and error texts.
-* ``ops``         -- ``fused_linear_cross_entropy`` (triton kernel, torch oracle); knows nothing of FSDP/PEFT.
+* ``_bootstrap``   -- the import hook a ``.pth`` file installs in every process; imports no torch.
+* ``integration/`` -- EVERY patch of third-party code (LLaMA-Factory parser/loader/launcher, accelerate, Trainer).
+* ``config`` (the keys), ``refusals`` (what cannot work, decided from the arguments), ``sharding`` (decided once).
+* ``engage``       -- engage/disengage a model and the engaged line; ``forward`` -- the one generic forward.
+* ``losses``       -- WHERE THE LOSS IS COMPUTED; ``heads/`` -- one strategy per head kind;
+  ``gather``       -- WHERE A HEAD WEIGHT IS GATHERED; ``wrapping`` -- the head as its own FSDP unit.
+* ``families`` (quirks as data), ``checkpoint/`` (resume safety, FSDP2 adapter repair), ``diagnostics``, ``doctor``.
+* ``ops/``         -- ``fused_linear_cross_entropy`` (Triton kernel, torch oracle); knows nothing of FSDP/PEFT.
 
-This file stays light: importing the package must not import torch (the ``.pth`` hook imports it
-in every process).
+Importing the package imports no torch (the ``.pth`` hook imports it in every process).
 """
 
 __version__ = "0.1.0"
@@ -24,7 +25,7 @@ def __getattr__(name):
 
         return fused_linear_cross_entropy
     if name == "engage":
-        from .head import engage
+        from .engage import engage
 
         return engage
     raise AttributeError(name)

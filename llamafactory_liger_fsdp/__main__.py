@@ -1,12 +1,37 @@
-"""``python -m llamafactory_liger_fsdp doctor [sft.yaml]``."""
+"""``python -m llamafactory_liger_fsdp doctor [sft.yaml]`` and ``python -m llamafactory_liger_fsdp train sft.yaml``.
 
+``train`` is ``llamafactory-cli train`` with the plugin active in the launcher and in every worker
+(``FORCE_TORCHRUN``/torchrun included), also where the ``.pth`` hook does not run."""
+
+import os
 import sys
 
-from .doctor import main
+USAGE = "usage: python -m llamafactory_liger_fsdp doctor [sft.yaml [key=value ...]]\n" \
+        "       python -m llamafactory_liger_fsdp train sft.yaml [key=value ...]"
+
+
+def train(args: list[str]) -> int:
+    from . import _bootstrap
+
+    _bootstrap.install()
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    activate = os.path.join(package_root, "llamafactory_liger_fsdp", "_activate")
+    paths = [activate, package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+    sys.argv = ["llamafactory-cli", "train", *args]
+    from llamafactory.cli import main
+
+    main()
+    return 0
+
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if not args or args[0] != "doctor":
-        print("usage: python -m llamafactory_liger_fsdp doctor [sft.yaml]")
-        sys.exit(2)
-    sys.exit(main(args))
+    argv = sys.argv[1:]
+    if argv[:1] == ["doctor"]:
+        from .doctor import main as doctor
+
+        sys.exit(doctor(argv))
+    if argv[:1] == ["train"] and len(argv) > 1:
+        sys.exit(train(argv[1:]))
+    print(USAGE)
+    sys.exit(2)

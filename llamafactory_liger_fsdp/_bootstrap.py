@@ -11,7 +11,13 @@ each one has executed (and *before* any ``from .loader import load_model`` elsew
 name) hands it to :func:`llamafactory_liger_fsdp.integration.on_module_loaded`, which patches it.
 Nothing is patched in a process that never imports LLaMA-Factory.
 
-Set ``LLAMAFACTORY_LIGER_FSDP_DISABLE=1`` to turn the hook off.
+``LLAMAFACTORY_LIGER_FSDP_PTH=0`` makes the ``.pth`` line do nothing: then only
+``python -m llamafactory_liger_fsdp train`` activates the plugin (for its launcher and every worker, through
+``_activate/sitecustomize.py`` on ``PYTHONPATH``) -- the same path as an install the ``.pth`` never reaches
+(``pip install --target``, a package on ``PYTHONPATH``).
+
+With ``LLAMAFACTORY_LIGER_FSDP_DISABLE=1`` the hook stays (so yamls that name ``liger_fsdp`` still
+parse) but the plugin is off: the keys are accepted and ignored, one log line says so.
 """
 
 from __future__ import annotations
@@ -21,17 +27,11 @@ import importlib.machinery
 import os
 import sys
 
-DISABLE_ENV = "LLAMAFACTORY_LIGER_FSDP_DISABLE"
-
-# LLaMA-Factory modules the plugin hooks, patched right after they execute.
-HOOKED_MODULES = ("llamafactory.hparams.parser", "llamafactory.model.loader")
+# LLaMA-Factory modules the plugin hooks, patched right after they execute (integration.HOOKED_MODULES).
+HOOKED_MODULES = ("llamafactory.hparams.parser", "llamafactory.model.loader", "llamafactory.launcher")
 
 #: True once the finder is on ``sys.meta_path`` in this process (read by ``doctor``).
 ACTIVE = False
-
-
-def _disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -71,8 +71,6 @@ class _Finder(importlib.abc.MetaPathFinder):
 def install() -> bool:
     """Put the finder on ``sys.meta_path`` (idempotent). Returns whether the hook is active."""
     global ACTIVE
-    if _disabled():
-        return False
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
     ACTIVE = True
@@ -87,7 +85,10 @@ def install() -> bool:
     return True
 
 
-try:
-    install()
-except Exception as exc:  # never break interpreter start-up
-    print(f"[liger_fsdp] import hook not installed: {exc!r}", file=sys.stderr)
+PTH_ENV = "LLAMAFACTORY_LIGER_FSDP_PTH"
+
+if os.environ.get(PTH_ENV, "1").strip() != "0":
+    try:
+        install()
+    except Exception as exc:  # never break interpreter start-up
+        print(f"[liger_fsdp] import hook not installed: {exc!r}", file=sys.stderr)

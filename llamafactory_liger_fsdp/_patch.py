@@ -47,10 +47,6 @@ def require_params(fn: Any, names: tuple[str, ...], where: str) -> None:
         raise PatchError(f"{where} has no parameter(s) {missing}; this version is not supported")
 
 
-def is_patched(owner: Any, name: str) -> bool:
-    return getattr(getattr(owner, name, None), MARK, False)
-
-
 def apply(owner: Any, name: str, make: Callable[[Any], Any], why: str) -> Patch | None:
     """Replace ``owner.name`` by ``make(original)``; a no-op if it is already ours."""
     original = getattr(owner, name, None)
@@ -74,10 +70,6 @@ def rebind(module: Any, name: str, old: Any, new: Any, why: str) -> None:
     if getattr(module, name, None) is old:
         setattr(module, name, new)
         _APPLIED.append(Patch(module, name, old, new, why))
-
-
-def applied() -> list[Patch]:
-    return list(_APPLIED)
 
 
 def log_once() -> None:

@@ -1,50 +1,52 @@
-"""The ``liger_fsdp`` keys of a LLaMA-Factory yaml: parsing, validation and every error text.
+"""The ``liger_fsdp*`` keys of a LLaMA-Factory yaml: their parsing and validation.
 
 LLaMA-Factory rejects unknown keys (``Some keys are not used by the HfArgumentParser``). The
 integration takes our keys out of the arguments *before* LLaMA-Factory's parser sees them
 (:func:`extract`), validates them here, and hangs the resulting :class:`LigerFsdpConfig` on the
-parsed ``FinetuningArguments`` as ``liger_fsdp_config``. Every other unknown key is still
-rejected by LLaMA-Factory.
-
-All user-facing errors are :class:`LigerFsdpConfigError` (a ``ValueError``) and each names the
-key and the fix. This module imports no torch.
+parsed ``FinetuningArguments`` as ``liger_fsdp_config``. Every other unknown key is still rejected by
+LLaMA-Factory. Refusals of other settings are in :mod:`.refusals`. This module imports no torch.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 #: The keys this plugin adds to LLaMA-Factory's arguments, with their help text.
 KEYS = {
-    "liger_fsdp": "true/false: compute the causal-LM loss with the FSDP-safe fused linear cross-entropy.",
+    "liger_fsdp": "true/false: compute the causal-LM loss with the fused linear cross-entropy, through the FSDP units "
+    "or DeepSpeed modules that own the trained lm_head.",
     "liger_fsdp_backend": "auto/triton_fast/triton/torch: kernel of the fused loss. auto = triton_fast on CUDA "
-    "(gradients in forward: faster than the unfused loss, ~3.6 GiB working memory at 16k x 128k), torch elsewhere; "
-    "triton = lean (~0.3 GiB, gradients recomputed in backward, ~35% slower than triton_fast).",
+    "(gradients in forward; ~2.5 GiB working memory at 16k tokens x 128k vocab), torch elsewhere; "
+    "triton = lean (0.2-0.6 GiB, gradients recomputed in backward, slower).",
+    "liger_fsdp_memory_report": "true/false (default false): on step 1 (rank 0) log the memory the fused kernel "
+    "really used, measured by tracking its tensor allocations; the CUDA peak-memory counters are never reset.",
+    "liger_fsdp_checkpoint_repair": "true/false (default true): under FSDP2 with an adapter, save and load the "
+    "adapter as full tensors where the installed accelerate (< 1.15) writes rank 0's shards only.",
 }
 BACKENDS = ("auto", "triton", "triton_fast", "torch")
-#: Stages whose loss is the plain causal-LM loss; every other stage needs the full logits.
-SUPPORTED_STAGES = ("sft", "pt")
 ATTR = "liger_fsdp_config"
+DISABLE_ENV = "LLAMAFACTORY_LIGER_FSDP_DISABLE"
 
 
 class LigerFsdpConfigError(ValueError):
-    """A configuration that cannot work with ``liger_fsdp: true``; the message says how to fix it."""
+    """A configuration that cannot work with ``liger_fsdp: true``; the message names the key and the fix."""
 
 
 @dataclass(frozen=True)
 class LigerFsdpConfig:
-    """The validated ``liger_fsdp*`` keys of one run."""
+    """The validated ``liger_fsdp*`` keys of one run, and the run's sharding (decided at parse time)."""
 
     enabled: bool = False
     backend: str = "auto"
+    memory_report: bool = False
+    checkpoint_repair: bool = True
+    sharding: Any = None  # sharding.Sharding, set once the training arguments are parsed
 
-    @property
-    def kernel_backend(self) -> str:
-        """What the plugin passes as ``backend=`` (``"auto"`` is resolved per device in :mod:`.head`)."""
-        return self.backend
+
+def disabled_by_env() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _parse_bool(key: str, value: Any) -> bool:
@@ -63,7 +65,7 @@ def _parse_backend(key: str, value: Any) -> str:
         return value.strip().lower()
     raise LigerFsdpConfigError(
         f"`{key}` must be one of {', '.join(BACKENDS)}, got {value!r} ({type(value).__name__}). "
-        f"Fix: write `{key}: auto` (triton on CUDA, torch on CPU) or remove the key."
+        f"Fix: write `{key}: auto` (triton_fast on CUDA, torch elsewhere) or remove the key."
     )
 
 
@@ -72,27 +74,29 @@ def from_mapping(values: dict[str, Any]) -> LigerFsdpConfig:
     unknown = sorted(k for k in values if k not in KEYS)
     if unknown:
         raise LigerFsdpConfigError(
-            f"Unknown key(s) {', '.join('`' + k + '`' for k in unknown)}. "
-            f"The liger_fsdp plugin knows: {', '.join('`' + k + '`' for k in KEYS)}. Fix: correct the spelling or remove them."
+            f"Unknown key(s) {', '.join('`' + k + '`' for k in unknown)}. The liger_fsdp plugin knows: "
+            f"{', '.join('`' + k + '`' for k in KEYS)}. Fix: correct the spelling or remove them."
         )
-    enabled = _parse_bool("liger_fsdp", values["liger_fsdp"]) if "liger_fsdp" in values else False
-    backend = _parse_backend("liger_fsdp_backend", values["liger_fsdp_backend"]) if "liger_fsdp_backend" in values else "auto"
-    if backend != "auto" and not enabled and "liger_fsdp" not in values:
+    if "liger_fsdp" not in values and values:
         raise LigerFsdpConfigError(
-            "`liger_fsdp_backend` is set but `liger_fsdp` is not. Fix: add `liger_fsdp: true` or remove `liger_fsdp_backend`."
+            f"{', '.join('`' + k + '`' for k in sorted(values))} set but `liger_fsdp` is not. "
+            "Fix: add `liger_fsdp: true`, or remove them."
         )
-    return LigerFsdpConfig(enabled=enabled, backend=backend)
+    bools = {k: _parse_bool(k, values[k]) for k in ("liger_fsdp", "liger_fsdp_memory_report",
+                                                    "liger_fsdp_checkpoint_repair") if k in values}
+    return LigerFsdpConfig(
+        enabled=bools.get("liger_fsdp", False),
+        backend=_parse_backend("liger_fsdp_backend", values["liger_fsdp_backend"]) if "liger_fsdp_backend" in values else "auto",
+        memory_report=bools.get("liger_fsdp_memory_report", False),
+        checkpoint_repair=bools.get("liger_fsdp_checkpoint_repair", True),
+    )
 
 
-def extract(args: Any) -> tuple[Any, LigerFsdpConfig]:
-    """Take our keys out of LLaMA-Factory's raw arguments (a dict from yaml/json, or an argv list).
-
-    Returns the arguments without our keys and the validated config.
-    """
+def split(args: Any) -> tuple[Any, dict[str, Any]]:
+    """LLaMA-Factory's raw arguments (a dict from yaml/json, or an argv list) without our keys, and our keys."""
     if isinstance(args, dict):
         ours = {k: args[k] for k in args if isinstance(k, str) and k.startswith("liger_fsdp")}
-        rest = {k: v for k, v in args.items() if k not in ours}
-        return rest, from_mapping(ours)
+        return {k: v for k, v in args.items() if k not in ours}, ours
     if isinstance(args, (list, tuple)):
         ours: dict[str, Any] = {}
         rest: list[str] = []
@@ -114,69 +118,20 @@ def extract(args: Any) -> tuple[Any, LigerFsdpConfig]:
             else:
                 rest.append(item)
             i += 1
-        return rest, from_mapping(ours)
-    return args, LigerFsdpConfig()
+        return rest, ours
+    return args, {}
+
+
+def extract(args: Any) -> tuple[Any, LigerFsdpConfig]:
+    """Take our keys out of the raw arguments; returns the rest and the validated config.
+
+    With ``LLAMAFACTORY_LIGER_FSDP_DISABLE=1`` the keys are taken out and ignored (the plugin is off)."""
+    rest, ours = split(args)
+    if disabled_by_env():
+        return rest, LigerFsdpConfig()
+    return rest, from_mapping(ours)
 
 
 def get_config(finetuning_args: Any) -> LigerFsdpConfig:
     """The config hung on LLaMA-Factory's ``FinetuningArguments`` by the integration (default: off)."""
     return getattr(finetuning_args, ATTR, None) or LigerFsdpConfig()
-
-
-def _deepspeed_zero_stage(training_args: Any) -> int | None:
-    ds = getattr(training_args, "deepspeed", None)
-    stage = None
-    if isinstance(ds, str) and ds:
-        try:
-            with open(ds, encoding="utf-8") as f:
-                ds = json.load(f)
-        except (OSError, ValueError):
-            ds = None
-    if isinstance(ds, dict):
-        stage = (ds.get("zero_optimization") or {}).get("stage")
-    if stage is None and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-    try:
-        return int(stage) if stage is not None else None
-    except (TypeError, ValueError):
-        return None
-
-
-def check_training_args(cfg: LigerFsdpConfig, model_args: Any, training_args: Any, finetuning_args: Any) -> None:
-    """Refuse settings that cannot work with ``liger_fsdp: true`` (called right after parsing)."""
-    if not cfg.enabled:
-        return
-    stage = getattr(finetuning_args, "stage", "sft")
-    if stage not in SUPPORTED_STAGES:
-        raise LigerFsdpConfigError(
-            f"`liger_fsdp: true` does not work with `stage: {stage}`: that stage needs the full logits, which the fused "
-            f"loss never builds. Supported stages: {', '.join(SUPPORTED_STAGES)}. Fix: remove `liger_fsdp` for this run."
-        )
-    for key in ("use_dft_loss", "use_eaft_loss", "use_asft_loss"):
-        if getattr(finetuning_args, key, False):
-            raise LigerFsdpConfigError(
-                f"`liger_fsdp: true` does not work with `{key}: true`: that loss reads the logits, which the fused loss "
-                f"never builds. Fix: remove `liger_fsdp` or set `{key}: false`."
-            )
-    if getattr(model_args, "use_unsloth", False):
-        raise LigerFsdpConfigError(
-            "`liger_fsdp: true` does not work with `use_unsloth: true`: unsloth replaces the model's forward and loss. "
-            "Fix: set `use_unsloth: false` or remove `liger_fsdp`."
-        )
-    if getattr(finetuning_args, "use_mca", False):
-        raise LigerFsdpConfigError(
-            "`liger_fsdp: true` does not work with `use_mca: true`: Megatron-Core (mcore_adapter) builds its own model "
-            "and loss, so there is no Hugging Face head to fuse. Fix: set `use_mca: false` or remove `liger_fsdp`."
-        )
-    if getattr(model_args, "use_kt", False):
-        raise LigerFsdpConfigError(
-            "`liger_fsdp: true` does not work with `use_kt: true`: KTransformers replaces the model's modules and "
-            "forward. Fix: set `use_kt: false` or remove `liger_fsdp`."
-        )
-    stage_ds = _deepspeed_zero_stage(training_args)
-    if stage_ds == 3:
-        raise LigerFsdpConfigError(
-            "`liger_fsdp: true` does not support DeepSpeed ZeRO-3 yet (`deepspeed:` config with "
-            "`zero_optimization.stage: 3`). Fix: use FSDP (`fsdp: full_shard auto_wrap` or an accelerate FSDP config), "
-            "or ZeRO-2, or remove `liger_fsdp`."
-        )

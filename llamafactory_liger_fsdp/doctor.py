@@ -1,17 +1,24 @@
-"""``python -m llamafactory_liger_fsdp doctor [sft.yaml]``: what is installed, whether the import
-hook is active, and -- for a yaml -- whether the plugin will engage, and if not, why.
+"""``python -m llamafactory_liger_fsdp doctor [sft.yaml [key=value ...]]``: versions, whether the import hook
+is active, and for a yaml what the plugin will decide, with the same code as training.
 
-The yaml check runs LLaMA-Factory's own argument parser (so every error is the one training
-would raise), reads the model's config (no weights), and predicts the head kind from the yaml:
-``additional_target``/``lora_target`` naming ``lm_head``, or full fine-tuning.
+Works on a machine without a GPU (a login node): when LLaMA-Factory rejects the yaml only because of this
+machine (``bf16`` without a GPU, ...) that is reported on its own line and the plugin's decision is
+evaluated as on the machine the yaml is for. Exit status: 0 whenever the yaml would train (engaged, or
+off, or not needed), 1 when training would stop (a refusal, a rejected yaml, an inactive hook with the
+flag on).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from importlib import metadata
 
-PACKAGES = ("torch", "triton", "transformers", "peft", "accelerate", "llamafactory", "liger-kernel", "llamafactory-liger-fsdp")
+PACKAGES = ("torch", "triton", "transformers", "peft", "accelerate", "deepspeed", "llamafactory", "liger-kernel",
+            "llamafactory-liger-fsdp")
+INACTIVE_FIX = ("run `python -m llamafactory_liger_fsdp train <yaml>` instead of `llamafactory-cli train <yaml>` "
+                "(it activates the plugin in the launcher and every worker), or install with `pip install .` into this "
+                "environment's site-packages")
 
 
 def versions() -> dict[str, str | None]:
@@ -25,92 +32,74 @@ def versions() -> dict[str, str | None]:
 
 
 def hook_status() -> tuple[bool, str]:
-    """Whether a fresh interpreter of this environment has the import hook (the .pth file)."""
+    """Whether a fresh interpreter of this environment gets the import hook."""
     import subprocess
 
     code = "import sys; import llamafactory_liger_fsdp._bootstrap as b; print(int(b.ACTIVE and 'torch' not in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    active = proc.stdout.strip() == "1"
-    if active:
+    if proc.stdout.strip() == "1":
         return True, "active (the .pth file registers it in every Python process of this environment)"
-    from . import _bootstrap
-
-    if _bootstrap._disabled():
-        return False, f"disabled by {_bootstrap.DISABLE_ENV}"
-    return False, "NOT active: reinstall with `pip install .` (or `pip install -e .`) in this environment"
+    return False, f"NOT active in this environment. Fix: {INACTIVE_FIX}"
 
 
-def _head_from_args(model_args, finetuning_args) -> str | None:
-    """The head kind the yaml asks for, or None when the head stays frozen."""
-    ft = finetuning_args.finetuning_type
-    if ft == "full":
-        return "full"
-    if ft == "lora":
-        extra = finetuning_args.additional_target or []
-        if any(t.split(".")[-1] == "lm_head" for t in extra):
-            return "modules_to_save"
-        targets = finetuning_args.lora_target or []
-        if any(t.split(".")[-1] == "lm_head" for t in targets):
-            return "lora"
-        return None
-    if ft == "freeze":
-        extra = getattr(finetuning_args, "freeze_extra_modules", None) or []
-        return "full" if any("lm_head" in t for t in extra) else None
-    return None
+def _parse(path: str, overrides: list[str], machine_overrides: dict | None = None):
+    from llamafactory.hparams import get_train_args
+    from llamafactory.hparams.parser import read_args
 
-
-def check_yaml(path: str) -> tuple[bool, list[str]]:
-    """Return (will_engage, lines of explanation)."""
-    from . import config, families
-
-    import os
-
-    os.environ.setdefault("LLAMAFACTORY_VERBOSITY", "WARN")
-    lines: list[str] = []
+    saved = sys.argv
+    sys.argv = ["llamafactory-cli", path, *overrides]
     try:
-        from llamafactory.hparams import get_train_args
+        raw = read_args()
+    finally:
+        sys.argv = saved
+    return raw, get_train_args(dict(raw, **(machine_overrides or {})))
 
-        saved = sys.argv
-        sys.argv = ["llamafactory-cli", path]
+
+def check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, list[str]]:
+    """(would train, report lines)."""
+    from . import config, predict
+    from ._log import logger
+    from .config import LigerFsdpConfigError
+
+    logger.setLevel("WARNING")  # the report is not interleaved with the plugin's training-time lines
+    lines: list[str] = []
+    overrides = list(overrides or [])
+    try:
         try:
-            model_args, _, training_args, finetuning_args, _ = get_train_args()
-        finally:
-            sys.argv = saved
-    except config.LigerFsdpConfigError as exc:
-        return False, [f"error: {exc}"]
-    except (ValueError, ImportError) as exc:
-        return False, [f"LLaMA-Factory rejects this yaml: {exc}"]
+            raw, parsed = _parse(path, overrides)
+        except LigerFsdpConfigError:
+            raise
+        except (ValueError, ImportError) as exc:
+            try:  # rejected because of this machine only? evaluate as on a GPU machine
+                raw, parsed = _parse(path, overrides, {"use_cpu": True})
+            except Exception:
+                return False, [f"LLaMA-Factory rejects this yaml: {exc}"]
+            lines.append(f"this machine: LLaMA-Factory would reject the yaml here ({exc}); what follows is evaluated as on "
+                         "the GPU machine it is for.")
+    except LigerFsdpConfigError as exc:
+        return False, lines + [f"error: {exc}"]
+    model_args, _, training_args, finetuning_args, _ = parsed
     cfg = config.get_config(finetuning_args)
     if not cfg.enabled:
-        return False, ["`liger_fsdp` is not set to true in this yaml: the plugin stays off."]
+        why = f"disabled by {config.DISABLE_ENV}" if config.disabled_by_env() else "`liger_fsdp` is not true in this yaml"
+        return True, lines + [f"plugin off ({why}): the run trains without it."]
     lines.append(f"liger_fsdp: on (backend {cfg.backend}); stage {finetuning_args.stage}.")
-    try:
-        from transformers import AutoConfig
-
-        model_config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
-        family = families.family_of(getattr(model_config, "model_type", None))
-        lines.append(f"model type {family.model_type}: supported"
-                     + (f" (final-logit softcap {families.softcap(family, model_config)})" if family.softcap_attr else "")
-                     + (" (MoE aux loss kept)" if family.moe else "") + ".")
-        tied = bool(getattr(model_config, "tie_word_embeddings", False))
-    except config.LigerFsdpConfigError as exc:
-        return False, lines + [f"error: {exc}"]
-    except Exception as exc:  # config not readable offline, etc.
-        lines.append(f"could not read the model config ({exc!r}); the family is checked again at load time.")
-        tied = False
-    kind = _head_from_args(model_args, finetuning_args)
-    if kind is None:
-        return False, lines + ["not engaged: lm_head stays frozen with these settings (not in `additional_target` or "
-                               "`lora_target`, no full fine-tuning), so the plain loss has nothing to fix."]
-    fsdp = "none"
-    if training_args.fsdp:
-        fsdp = f"FSDP{int((training_args.fsdp_config or {}).get('version', 1))}"
-    lines.append(f"will engage: head={kind}{' (tied embeddings)' if tied else ''}, fsdp={fsdp} (from the yaml; "
-                 "accelerate configs are read at launch).")
-    if fsdp != "none":
-        sd = os.environ.get("FSDP_STATE_DICT_TYPE") or ("FULL_STATE_DICT" if fsdp == "FSDP1" else "SHARDED_STATE_DICT")
-        lines.append(f"checkpoints: state dict {sd}" + (
-            "; adapter checkpoints hold full tensors and resume on every rank." if sd == "FULL_STATE_DICT" else "."))
+    lines.append(f"sharding: {cfg.sharding.label} (from {cfg.sharding.source}).")
+    decision = predict.decide(model_args, finetuning_args)
+    if decision.family:
+        quirks = f" (quirks: {', '.join(decision.quirks)})" if decision.quirks else ""
+        lines.append(f"model type {decision.family}{quirks}.")
+    if decision.error:
+        return False, lines + [f"error: {decision.error}"]
+    if decision.note:
+        lines.append(decision.note + ".")
+    if decision.not_engaged:
+        return True, lines + [f"not engaged: {decision.not_engaged}; the plain loss has nothing to fix (the run trains)."]
+    if decision.head:
+        lines.append(f"will engage: {decision.head} (decided on the meta-device model LLaMA-Factory would build).")
+    if cfg.sharding.fsdp_version:
+        sd = os.environ.get("FSDP_STATE_DICT_TYPE", "accelerate's default")
+        lines.append(f"checkpoints: state dict {sd}.")
     return True, lines
 
 
@@ -118,18 +107,26 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "doctor":
         argv = argv[1:]
+    os.environ.setdefault("LLAMAFACTORY_VERBOSITY", "WARN")
     print("llamafactory-liger-fsdp doctor")
     for name, version in versions().items():
         print(f"  {name:24s} {version or 'not installed'}")
     active, why = hook_status()
     print(f"  import hook: {why}")
     if not argv:
-        return 0 if active else 1
-    ok, lines = check_yaml(argv[0])
+        return 0
+    from . import _bootstrap
+
+    _bootstrap.install()  # evaluate the yaml as the hook would, even where it is not active
+    ok, lines = check_yaml(argv[0], argv[1:])
     print(f"\n{argv[0]}:")
     for line in lines:
         print(f"  {line}")
-    return 0 if (active and ok) else 1
+    flag_on = any(line.startswith("liger_fsdp: on") for line in lines)
+    if flag_on and not active:
+        print(f"  the import hook is not active here, so `llamafactory-cli train` would reject `liger_fsdp`. Fix: {INACTIVE_FIX}.")
+        return 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Model-family quirks of the causal-LM head, as data.
 
-The fused forward in :mod:`.head` is one function for every family; what differs between
+The fused forward in :mod:`.forward` is one function for every family; what differs between
 families around the head is listed here and nowhere else:
 
 * ``softcap_attr``: config attribute holding a final-logit softcap (Gemma 2/3:
@@ -69,7 +69,27 @@ def moe_aux_loss(family: Family, causal_lm, outputs, attention_mask):
     if not family.moe or getattr(outputs, "router_logits", None) is None:
         return None
     module = sys.modules[type(causal_lm).__module__]
-    aux = module.load_balancing_loss_func(
+    return module.load_balancing_loss_func(
         outputs.router_logits, causal_lm.num_experts, causal_lm.num_experts_per_tok, attention_mask
     )
-    return aux
+
+
+def build_output(family: Family, causal_lm, loss, outputs, attention_mask):
+    """The model output the original forward returns, with ``logits=None`` and the family's extra loss terms."""
+    if family.moe:
+        from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+        aux = moe_aux_loss(family, causal_lm, outputs, attention_mask)
+        if aux is not None:
+            loss = loss + causal_lm.router_aux_loss_coef * aux.to(loss.device)
+        return MoeCausalLMOutputWithPast(
+            loss=loss, aux_loss=aux, logits=None, past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+            router_logits=getattr(outputs, "router_logits", None),
+        )
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(
+        loss=loss, logits=None, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )

@@ -128,12 +128,12 @@ def _shard(model, mode):
 
 def _sharding_proof(model, plan, mode) -> dict:
     """Evidence that the head's trained weight really is sharded across the 2 ranks."""
-    from llamafactory_liger_fsdp import head as head_mod
-    from llamafactory_liger_fsdp import wrapping
+    from llamafactory_liger_fsdp import gather, sharding
+    from llamafactory_liger_fsdp.engage import causal_lm_of
 
-    causal_lm = head_mod.causal_lm_of(model.module if hasattr(model, "module") else model)
-    units, module = wrapping.resolve(causal_lm, plan.weight_paths[-1])
-    proof = {"head_units": len(units), "fsdp": wrapping.fsdp_version(model)}
+    causal_lm = causal_lm_of(model.module if hasattr(model, "module") else model)
+    units, module = gather.resolve(causal_lm, plan.head.weight_paths[-1])
+    proof = {"head_units": len(units), "fsdp": sharding.observed(model) or "none"}
     if mode == "ddp":
         proof["ddp"] = type(model).__name__
     elif mode == "fsdp2":
@@ -153,22 +153,22 @@ def _sharding_proof(model, plan, mode) -> dict:
 
 
 def run_case(case: str, mode: str, rank: int, world: int) -> dict:
-    from tiny import make_batch, make_model, make_peft, rel
+    from llamafactory_liger_fsdp.testing import make_batch, make_model, make_peft, rel
 
-    from llamafactory_liger_fsdp import head as head_mod
+    from llamafactory_liger_fsdp.engage import engage
 
     family, kind = case.split(":")
     ref = make_peft(make_model(family, seed=0), kind)
     cand = copy.deepcopy(ref)
     ref.train()
     cand.train()
-    plan = head_mod.engage(cand, backend="torch")
+    plan = engage(cand, backend="torch")
     assert plan is not None, "plugin did not engage"
     sharded = _shard(cand, mode)
     trainable = [n for n, p in ref.named_parameters() if p.requires_grad]
     opt_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
     opt = torch.optim.SGD([p for p in sharded.parameters() if p.requires_grad], lr=LR)
-    result = {"case": case, "mode": mode, "plan_kind": plan.kind, "tied": plan.tied}
+    result = {"case": case, "mode": mode, "plan_kind": plan.head.kind, "tied": plan.head.tied}
     for step in range(STEPS):
         batches = [make_batch(seed=100 * step + r) for r in range(world)]
         # reference: mean over the ranks' losses, one process, unfused

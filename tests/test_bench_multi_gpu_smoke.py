@@ -19,6 +19,8 @@ import pytest
 
 pytest.importorskip("liger_kernel")
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -29,7 +31,7 @@ def smoke(tmp_path_factory):
     env = dict(os.environ, PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
     env.pop("ALLOW_EXTRA_ARGS", None)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "multi_gpu_fsdp.py"), "--cpu-smoke", "--parts", "repro,curves",
+        [sys.executable, str(ROOT / "bench" / "multi_gpu_fsdp.py"), "--cpu-smoke", "--cpu-shim", str(ROOT / "tests" / "cpu_fsdp_shim"), "--parts", "repro,curves",
          "--work", str(work), "--out", str(out)],
         capture_output=True, text=True, timeout=900, env=env,
     )
@@ -54,7 +56,7 @@ def test_plugin_beside_liger_trains_exactly(smoke):
     rows, _ = smoke
     fixed = rows[("repro", "liger+liger_fsdp", 1)]
     assert fixed["rc"] == 0, fixed.get("error_line")
-    assert fixed["engaged"].startswith("[liger_fsdp] engaged: head=modules_to_save (lm_head), fsdp=FSDP1")
+    assert fixed["engaged"].startswith("[liger_fsdp] engaged: head=modules_to_save (lm_head), sharding=FSDP1")
     plain = rows[("curves", "plain", 1)]
     assert len(fixed["step_losses"]) >= 2
     for a, b in zip(fixed["step_losses"], plain["step_losses"]):
@@ -67,7 +69,7 @@ def test_curves_match_plain(smoke, version):
     ours = rows[("curves", "liger_fsdp", version)]
     plain = rows[("curves", "plain", version)]
     assert plain["rc"] == 0 and ours["rc"] == 0
-    assert f"fsdp=FSDP{version}" in ours["engaged"]
+    assert f"sharding=FSDP{version}" in ours["engaged"]
     assert plain["engaged"] is None
     assert len(ours["step_losses"]) == len(plain["step_losses"]) == 3
     assert ours["max_rel_diff_vs_plain"] <= 1e-5

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 
 def _py(code, **env):
     e = dict(os.environ)
@@ -24,19 +26,23 @@ def test_hook_active_without_torch():
 def test_loader_and_reexports_patched():
     code = (
         "import llamafactory.model as m, llamafactory.model.loader as l, llamafactory.train.sft.workflow as w, "
-        "llamafactory.hparams.parser as p\n"
-        "ok = all(getattr(f, '__liger_fsdp_patch__', False) for f in (m.load_model, l.load_model, w.load_model, p._parse_args))\n"
+        "llamafactory.hparams.parser as p, llamafactory.launcher as la\n"
+        "ok = all(getattr(f, '__liger_fsdp_patch__', False) for f in (m.load_model, l.load_model, w.load_model, "
+        "p._parse_args, la.launch))\n"
         "print(ok, m.load_model is w.load_model is l.load_model)"
     )
     assert _py(code) == "True True"
 
 
-def test_disable_env():
+def test_disable_env_keeps_keys_accepted():
+    """The off switch: the hook stays (yamls naming liger_fsdp still parse), the plugin is off."""
     code = (
-        "import llamafactory.model.loader as l, llamafactory_liger_fsdp._bootstrap as b\n"
-        "print(b.ACTIVE, getattr(l.load_model, '__liger_fsdp_patch__', False))"
+        "import llamafactory_liger_fsdp._bootstrap as b\n"
+        "from llamafactory_liger_fsdp.integration.llamafactory import config_from_args\n"
+        "rest, cfg = config_from_args({'stage': 'sft', 'liger_fsdp': True})\n"
+        "print(b.ACTIVE, cfg.enabled, sorted(rest))"
     )
-    assert _py(code, LLAMAFACTORY_LIGER_FSDP_DISABLE="1") == "False False"
+    assert _py(code, LLAMAFACTORY_LIGER_FSDP_DISABLE="1") == "True False ['stage']"
 
 
 def test_unpatch_restores():

@@ -4,17 +4,19 @@ with the plugin."""
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from llamafactory_liger_fsdp import checkpoint
+from llamafactory_liger_fsdp.checkpoint import resume
 from llamafactory_liger_fsdp.config import LigerFsdpConfigError
+from support import names_key_and_fix
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from e2e_assets import build
+    from support.cli import build
 
     return build(tmp_path_factory.mktemp("assets"))
 
@@ -51,19 +53,11 @@ def _checkpoint(path, state=True, weights=True):
     return str(path)
 
 
-SHARDED_TEXT = (
-    "`liger_fsdp: true` with a LoRA adapter under FSDP does not work with `fsdp_state_dict_type: SHARDED_STATE_DICT` "
-    "(env FSDP_STATE_DICT_TYPE): the Trainer then saves no adapter at all and a resume loses the optimizer's moments. "
-    "Fix: set `fsdp_state_dict_type: FULL_STATE_DICT` in the accelerate config (or FSDP_STATE_DICT_TYPE=FULL_STATE_DICT "
-    "in the environment)."
-)
-
-
 def test_fsdp2_sharded_state_dict_refused(base, monkeypatch):
     monkeypatch.setenv("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT")
     with pytest.raises(LigerFsdpConfigError) as err:
         _train_args(dict(base, **FSDP2))
-    assert str(err.value) == SHARDED_TEXT
+    names_key_and_fix(str(err.value), "fsdp_state_dict_type: SHARDED_STATE_DICT", "FULL_STATE_DICT")
 
 
 def test_fsdp2_state_dict_type_defaults_to_full(base, monkeypatch, capsys):
@@ -98,8 +92,8 @@ def test_incomplete_reasons(tmp_path, state, weights, reason):
         open(os.path.join(path, "adapter_model.safetensors"), "wb").write(data[:-8])
     elif weights == "tmp":
         open(os.path.join(path, "pytorch_model_fsdp.bin.tmp"), "wb").write(b"PK")
-    assert checkpoint.incomplete(path) == reason
-    assert checkpoint.incomplete(_checkpoint(tmp_path / "checkpoint-2")) is None
+    assert resume.incomplete(path) == reason
+    assert resume.incomplete(_checkpoint(tmp_path / "checkpoint-2")) is None
 
 
 def test_explicit_incomplete_resume_refused(base, tmp_path):
@@ -108,11 +102,8 @@ def test_explicit_incomplete_resume_refused(base, tmp_path):
     bad = _checkpoint(out / "checkpoint-4", state=False)
     with pytest.raises(LigerFsdpConfigError) as err:
         _train_args(dict(base, resume_from_checkpoint=bad))
-    assert str(err.value) == (
-        f"`resume_from_checkpoint: {bad}` is an incomplete checkpoint: no trainer_state.json (the Trainer writes it "
-        f"last). The run that wrote it was interrupted while saving. Fix: point `resume_from_checkpoint` at a complete "
-        f"one (newest: {good})."
-    )
+    names_key_and_fix(str(err.value), f"resume_from_checkpoint: {bad}", "resume_from_checkpoint", good)
+    assert "no trainer_state.json" in str(err.value)
 
 
 def test_auto_resume_skips_incomplete(base, tmp_path, capsys):
@@ -131,12 +122,10 @@ def test_auto_resume_skips_incomplete(base, tmp_path, capsys):
 def test_auto_resume_with_nothing_complete_refused(base, tmp_path):
     out = tmp_path / "out"
     bad = _checkpoint(out / "checkpoint-2", state=False)
-    with pytest.raises(LigerFsdpConfigError, match=r"^`output_dir` .* holds no complete checkpoint to resume from") as err:
+    with pytest.raises(LigerFsdpConfigError) as err:
         _train_args(dict(base))
+    names_key_and_fix(str(err.value), "output_dir", "checkpoint-*", "overwrite_output_dir: true")
     assert f"({bad}: no trainer_state.json" in str(err.value)
-    assert str(err.value).endswith(
-        "Fix: delete the incomplete checkpoint-* directories, or set `overwrite_output_dir: true` to start over."
-    )
 
 
 def test_without_flag_nothing_changes(base, tmp_path):
@@ -147,22 +136,12 @@ def test_without_flag_nothing_changes(base, tmp_path):
     assert training_args.resume_from_checkpoint == bad  # LLaMA-Factory's own choice, untouched
 
 
-@pytest.mark.parametrize(
-    "key, text",
-    [
-        ("use_mca", "`liger_fsdp: true` does not work with `use_mca: true`: Megatron-Core (mcore_adapter) builds its "
-         "own model and loss, so there is no Hugging Face head to fuse. Fix: set `use_mca: false` or remove `liger_fsdp`."),
-        ("use_kt", "`liger_fsdp: true` does not work with `use_kt: true`: KTransformers replaces the model's modules "
-         "and forward. Fix: set `use_kt: false` or remove `liger_fsdp`."),
-    ],
-)
-def test_incompatible_backends(key, text):
-    from types import SimpleNamespace
+@pytest.mark.parametrize("key", ["use_mca", "use_kt"])
+def test_incompatible_backends(key):
+    from llamafactory_liger_fsdp import refusals
 
-    from llamafactory_liger_fsdp import config
-
-    model_args = SimpleNamespace(use_kt=key == "use_kt")
-    finetuning_args = SimpleNamespace(stage="sft", use_mca=key == "use_mca")
+    parsed = {"model": SimpleNamespace(use_kt=key == "use_kt"),
+              "finetuning": SimpleNamespace(stage="sft", use_mca=key == "use_mca")}
     with pytest.raises(LigerFsdpConfigError) as err:
-        config.check_training_args(config.LigerFsdpConfig(enabled=True), model_args, SimpleNamespace(), finetuning_args)
-    assert str(err.value) == text
+        refusals.check_parsed(parsed)
+    names_key_and_fix(str(err.value), f"{key}: true", f"{key}: false")

@@ -1,18 +1,20 @@
-"""The flag through LLaMA-Factory's own argument parser, and every refusal by its exact text."""
+"""The flag through LLaMA-Factory's own argument parser, the decided sharding, and every refusal: each names
+its key and a fix."""
 
 import json
-import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from llamafactory_liger_fsdp import config, families, integration
+from llamafactory_liger_fsdp import config, refusals, sharding
 from llamafactory_liger_fsdp.config import LigerFsdpConfigError
+from support import names_key_and_fix
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from e2e_assets import build
+    from support.cli import build
 
     return build(tmp_path_factory.mktemp("assets"))
 
@@ -35,7 +37,9 @@ def _train_args(args):
 def test_flag_accepted_without_allow_extra_args(base, monkeypatch):
     monkeypatch.delenv("ALLOW_EXTRA_ARGS", raising=False)
     *_, finetuning_args, _ = _train_args(dict(base, liger_fsdp=True, liger_fsdp_backend="torch"))
-    assert config.get_config(finetuning_args) == config.LigerFsdpConfig(enabled=True, backend="torch")
+    cfg = config.get_config(finetuning_args)
+    assert (cfg.enabled, cfg.backend, cfg.memory_report, cfg.checkpoint_repair) == (True, "torch", False, True)
+    assert cfg.sharding == sharding.Sharding("none", source="one process")  # decided once, at parse time
     *_, finetuning_args, _ = _train_args(dict(base))
     assert config.get_config(finetuning_args).enabled is False
 
@@ -51,9 +55,10 @@ def test_yaml_and_cli_override(base, tmp_path, monkeypatch):
 
     path = tmp_path / "sft.yaml"
     path.write_text(yaml.safe_dump(dict(base, liger_fsdp=False)))
-    monkeypatch.setattr(sys, "argv", ["llamafactory-cli", str(path), "liger_fsdp=true"])
+    monkeypatch.setattr(sys, "argv", ["llamafactory-cli", str(path), "liger_fsdp=true", "liger_fsdp_memory_report=true"])
     *_, finetuning_args, _ = _train_args(None)
-    assert config.get_config(finetuning_args).enabled is True
+    cfg = config.get_config(finetuning_args)
+    assert cfg.enabled is True and cfg.memory_report is True
 
 
 def test_argv_form(base):
@@ -65,121 +70,116 @@ def test_argv_form(base):
     assert config.get_config(finetuning_args).enabled is True
 
 
-@pytest.mark.parametrize("value", ["yes", 1, "maybe", None])
-def test_wrong_type(base, value):
+@pytest.mark.parametrize("key,value", [("liger_fsdp", "yes"), ("liger_fsdp", 1), ("liger_fsdp", None),
+                                       ("liger_fsdp_memory_report", "maybe"), ("liger_fsdp_backend", "cuda")])
+def test_wrong_value(base, key, value):
+    extra = {} if key == "liger_fsdp" else {"liger_fsdp": True}
     with pytest.raises(LigerFsdpConfigError) as err:
-        _train_args(dict(base, liger_fsdp=value))
-    assert str(err.value) == (
-        f"`liger_fsdp` must be true or false, got {value!r} ({type(value).__name__}). "
-        "Fix: write `liger_fsdp: true` (or `false`) in the yaml, or `liger_fsdp=true` on the command line."
-    )
-
-
-def test_bad_backend(base):
-    with pytest.raises(LigerFsdpConfigError, match=r"^`liger_fsdp_backend` must be one of auto, triton, triton_fast, torch, got 'cuda'"):
-        _train_args(dict(base, liger_fsdp=True, liger_fsdp_backend="cuda"))
+        _train_args(dict(base, **extra, **{key: value}))
+    names_key_and_fix(str(err.value), key, key)
+    assert repr(value) in str(err.value)
 
 
 def test_unknown_plugin_key(base):
     with pytest.raises(LigerFsdpConfigError) as err:
         _train_args(dict(base, liger_fsdp=True, liger_fsdp_chunk=4))
-    assert str(err.value) == (
-        "Unknown key(s) `liger_fsdp_chunk`. The liger_fsdp plugin knows: `liger_fsdp`, `liger_fsdp_backend`. "
-        "Fix: correct the spelling or remove them."
-    )
+    names_key_and_fix(str(err.value), "liger_fsdp_chunk", "spelling")
+    assert "`liger_fsdp_backend`" in str(err.value)  # says which keys exist
+
+
+def test_plugin_key_without_the_flag(base):
+    with pytest.raises(LigerFsdpConfigError) as err:
+        _train_args(dict(base, liger_fsdp_backend="triton"))
+    names_key_and_fix(str(err.value), "liger_fsdp_backend", "liger_fsdp: true")
 
 
 @pytest.mark.parametrize("stage", ["dpo", "kto", "ppo", "rm"])
-def test_stage_needs_logits(base, stage):
+def test_stage_refused(base, stage):
     extra = {"pref_beta": 0.1} if stage in ("dpo", "kto") else {}
     if stage == "ppo":
         extra["reward_model"] = base["model_name_or_path"]
     with pytest.raises(LigerFsdpConfigError) as err:
         _train_args(dict(base, liger_fsdp=True, stage=stage, **extra))
-    assert str(err.value) == (
-        f"`liger_fsdp: true` does not work with `stage: {stage}`: that stage needs the full logits, which the fused "
-        "loss never builds. Supported stages: sft, pt. Fix: remove `liger_fsdp` for this run."
-    )
+    names_key_and_fix(str(err.value), f"stage: {stage}", "liger_fsdp")
 
 
-def test_unsloth(base):
+@pytest.mark.parametrize("key", ["use_unsloth", "use_dft_loss"])
+def test_settings_that_replace_the_loss(base, key):
     with pytest.raises(LigerFsdpConfigError) as err:
-        _train_args(dict(base, liger_fsdp=True, use_unsloth=True))
-    assert str(err.value).startswith("`liger_fsdp: true` does not work with `use_unsloth: true`")
-    assert "Fix: set `use_unsloth: false` or remove `liger_fsdp`." in str(err.value)
+        _train_args(dict(base, liger_fsdp=True, **{key: True}))
+    names_key_and_fix(str(err.value), f"{key}: true", f"{key}: false")
 
 
-def test_logit_losses(base):
-    with pytest.raises(LigerFsdpConfigError, match=r"^`liger_fsdp: true` does not work with `use_dft_loss: true`"):
-        _train_args(dict(base, liger_fsdp=True, use_dft_loss=True))
+def test_raw_and_parsed_refusals_are_one_text(base):
+    """The launching process (raw yaml) and every rank (parsed arguments) refuse with the same text."""
+    with pytest.raises(LigerFsdpConfigError) as parsed:
+        _train_args(dict(base, liger_fsdp=True, stage="rm"))
+    with pytest.raises(LigerFsdpConfigError) as raw:
+        refusals.check_raw(dict(base, stage="rm"))
+    assert str(raw.value) == str(parsed.value)
+    with pytest.raises(LigerFsdpConfigError, match="use_unsloth"):
+        refusals.check_raw(["--stage", "sft", "--use_unsloth"])  # the argv form too
 
 
-ZERO3_TEXT = (
-    "`liger_fsdp: true` does not support DeepSpeed ZeRO-3 yet (`deepspeed:` config with `zero_optimization.stage: 3`). "
-    "Fix: use FSDP (`fsdp: full_shard auto_wrap` or an accelerate FSDP config), or ZeRO-2, or remove `liger_fsdp`."
-)
+def _ds(tmp_path, stage, **zero):
+    path = tmp_path / f"ds{stage}.json"
+    path.write_text(json.dumps({"zero_optimization": dict(stage=stage, **zero)}))
+    return str(path)
 
 
-def test_zero3_accelerate_env(base, monkeypatch):
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
-    from types import SimpleNamespace
+def test_sharding_decided_from_every_source(tmp_path):
+    ns = SimpleNamespace
+    assert sharding.decide(ns(fsdp=["full_shard", "auto_wrap"], fsdp_config={"version": 2}), {}).kind == "fsdp2"
+    assert sharding.decide(ns(fsdp="full_shard auto_wrap", fsdp_config={}), {}).kind == "fsdp1"
+    assert sharding.decide(ns(), {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}).kind == "fsdp2"
+    z3 = sharding.decide(ns(deepspeed=_ds(tmp_path, 3, offload_param={"device": "cpu"})), {})
+    assert (z3.kind, z3.zero_stage, z3.offload_param, z3.label) == ("deepspeed", 3, "cpu", "DeepSpeed ZeRO-3 (param offload cpu)")
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}
+    assert sharding.decide(ns(), env).label == "DeepSpeed ZeRO-2"
+    assert sharding.decide(ns(), {"WORLD_SIZE": "2"}).kind == "ddp"
+    assert sharding.decide(ns(), {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "4"}).kind == "ddp"
+    assert sharding.decide(ns(), {}).kind == "none"
 
-    with pytest.raises(LigerFsdpConfigError) as err:
-        config.check_training_args(
-            config.LigerFsdpConfig(enabled=True), SimpleNamespace(), SimpleNamespace(deepspeed=None), SimpleNamespace(stage="sft")
-        )
-    assert str(err.value) == ZERO3_TEXT
 
-
-def test_zero3_config_file(tmp_path):
-    """A ZeRO-3 json (LLaMA-Factory's examples/deepspeed/ds_z3_config.json shape); ZeRO-2 is fine."""
-    from types import SimpleNamespace
-
-    on = config.LigerFsdpConfig(enabled=True)
-    for stage in (2, 3):
-        path = tmp_path / f"ds{stage}.json"
-        path.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
-        args = (on, SimpleNamespace(), SimpleNamespace(deepspeed=str(path)), SimpleNamespace(stage="sft"))
-        if stage == 3:
-            with pytest.raises(LigerFsdpConfigError) as err:
-                config.check_training_args(*args)
-            assert str(err.value) == ZERO3_TEXT
-        else:
-            config.check_training_args(*args)
+def test_zero3_refused_zero2_not(tmp_path, base):
+    """ZeRO-3 from a `deepspeed:` json (LLaMA-Factory's examples/deepspeed shape) or accelerate's env."""
+    z2 = sharding.decide(SimpleNamespace(deepspeed=_ds(tmp_path, 2)), {})
+    refusals.check_raw(base, z2)
+    for decided in (sharding.decide(SimpleNamespace(deepspeed=_ds(tmp_path, 3)), {}),
+                    sharding.decide(SimpleNamespace(), {"ACCELERATE_USE_DEEPSPEED": "true",
+                                                        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"})):
+        with pytest.raises(LigerFsdpConfigError) as err:
+            refusals.check_raw(base, decided)
+        names_key_and_fix(str(err.value), "zero_optimization.stage: 3", "FSDP", "ZeRO-2")
 
 
 def test_unsupported_family(tmp_path):
     from transformers import GPT2Config
-    from types import SimpleNamespace
+
+    from llamafactory_liger_fsdp.integration.llamafactory import check_family
 
     GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
-    import llamafactory.model.loader as loader
-
     with pytest.raises(LigerFsdpConfigError) as err:
-        integration.check_before_load(loader, SimpleNamespace(
-            model_name_or_path=str(tmp_path), trust_remote_code=False, cache_dir=None, model_revision="main",
-            hf_hub_token=None, use_modelscope_hub=False, use_openmind_hub=False), add_valuehead=False)
-    assert str(err.value) == (
-        "`liger_fsdp: true` does not support model type `gpt2`. Supported model types: "
-        + ", ".join(sorted(families.FAMILIES))
-        + ". Fix: remove `liger_fsdp` for this model (or file an issue to add it)."
-    )
-
-
-def test_value_head():
-    import llamafactory.model.loader as loader
-
-    with pytest.raises(LigerFsdpConfigError, match="does not work with a value head"):
-        integration.check_before_load(loader, None, add_valuehead=True)
+        check_family(SimpleNamespace(model_name_or_path=str(tmp_path)))
+    names_key_and_fix(str(err.value), "liger_fsdp: true", "liger_fsdp")
+    assert "`gpt2`" in str(err.value) and "llama" in str(err.value)
 
 
 def test_dora_head_refused():
     from peft import LoraConfig, get_peft_model
 
-    from llamafactory_liger_fsdp import head
-    from tiny import make_model
+    from llamafactory_liger_fsdp.engage import engage
+    from llamafactory_liger_fsdp.testing import make_model
 
     model = get_peft_model(make_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "lm_head"], use_dora=True))
-    with pytest.raises(LigerFsdpConfigError, match=r"supports plain LoRA on lm_head; this head uses DoRA"):
-        head.engage(model)
+    with pytest.raises(LigerFsdpConfigError) as err:
+        engage(model)
+    names_key_and_fix(str(err.value), "liger_fsdp: true", "plain LoRA")
+    assert "DoRA" in str(err.value)
+
+
+def test_disable_env_accepts_and_ignores_the_keys(base, monkeypatch, capsys):
+    monkeypatch.setenv(config.DISABLE_ENV, "1")
+    *_, finetuning_args, _ = _train_args(dict(base, liger_fsdp=True, liger_fsdp_backend="nonsense"))
+    assert config.get_config(finetuning_args).enabled is False
+    assert f"[liger_fsdp] {config.DISABLE_ENV}=1: the liger_fsdp keys are accepted and ignored" in capsys.readouterr().err

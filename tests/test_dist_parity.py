@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAMILIES = ["llama", "qwen2", "qwen2_tied"]
 HEADS = ["mts", "lora", "full"]

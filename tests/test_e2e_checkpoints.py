@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from e2e_assets import FSDP2, base_yaml, build, run_cli, step_losses
+from support.cli import FSDP2, base_yaml, build, run_cli, step_losses
+
+pytestmark = pytest.mark.slow
 
 TOL = 1e-5
 SAVES = dict(save_strategy="steps", save_steps=2)
@@ -43,7 +45,7 @@ def reference(assets, tmp_path_factory):
     )
     assert rc == 0, log[-6000:]
     assert "[liger_fsdp] FSDP2 + adapter: using fsdp_state_dict_type FULL_STATE_DICT" in log
-    assert "[liger_fsdp] engaged: head=modules_to_save (lm_head), fsdp=FSDP2" in log
+    assert "[liger_fsdp] engaged: head=modules_to_save (lm_head), sharding=FSDP2" in log
     losses = step_losses(out)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     for step in (2, 4, 6):
@@ -249,7 +251,7 @@ def test_tied_embeddings_survive(tmp_path_factory, tmp_path):
     cfg = dict(liger_fsdp=True, max_steps=4, **SAVES, **fsdp)
     rc, log, _ = run_cli(base_yaml(assets, ref_out, **cfg), nproc=2, extra_env={"CPU_FSDP_SHIM_LOGITS": str(logits_file)})
     assert rc == 0, log[-6000:]
-    assert "[liger_fsdp] engaged: head=modules_to_save (lm_head), fsdp=FSDP2" in log
+    assert "[liger_fsdp] engaged: head=modules_to_save (lm_head), sharding=FSDP2" in log
     ref, dumped = step_losses(ref_out), torch.load(logits_file)
 
     out = tmp_path / "resumed"

@@ -9,8 +9,9 @@ import re
 
 import pytest
 
-from e2e_assets import FSDP1, FSDP2, base_yaml, build, run_cli
+from support.cli import FSDP1, FSDP2, base_yaml, build, run_cli
 
+pytestmark = pytest.mark.slow
 TOL = 1e-4
 
 
@@ -44,7 +45,7 @@ def test_fsdp2_two_ranks(assets, tmp_path, fsdp2_plain):
     # the trained copy is its own unit; accelerate >= 1.15 also groups [final norm, lm_head wrapper] into a unit
     # (its "tail"), which the loss then passes through as well
     assert re.search(
-        r"\[liger_fsdp\] engaged: head=modules_to_save \(lm_head\), fsdp=FSDP2, backend=torch, model=llama; "
+        r"\[liger_fsdp\] engaged: head=modules_to_save \(lm_head\), sharding=FSDP2, backend=torch, model=llama; "
         r"loss computed through (1 FSDP unit\(s\) \(|2 FSDP unit\(s\) \(lm_head, )lm_head\.modules_to_save\.default\)$",
         engaged[0],
     ), engaged[0]
@@ -65,7 +66,7 @@ def test_fsdp1_two_ranks(assets, tmp_path, fsdp2_plain):
     assert rc == 0, log[-6000:]
     assert "[cpu_fsdp_shim] forced DistributedType.FSDP (fsdp_version=1)" in log
     assert re.search(
-        r"\[liger_fsdp\] engaged: head=modules_to_save \(lm_head\), fsdp=FSDP1, .*through 1 FSDP unit\(s\) "
+        r"\[liger_fsdp\] engaged: head=modules_to_save \(lm_head\), sharding=FSDP1, .*through 1 FSDP unit\(s\) "
         r"\(lm_head\.modules_to_save\.default\)", log
     )
     _assert_same(losses, fsdp2_plain)  # same math as the unfused FSDP2 run
@@ -77,7 +78,7 @@ def test_lora_on_head_one_process(assets, tmp_path):
     assert rc == 0, log[-6000:]
     rc, log, losses = run_cli(base_yaml(assets, tmp_path / "liger", liger_fsdp=True, **cfg))
     assert rc == 0, log[-6000:]
-    assert "[liger_fsdp] engaged: head=lora (lm_head), fsdp=none" in log
+    assert "[liger_fsdp] engaged: head=lora (lm_head), sharding=none" in log
     _assert_same(losses, ref)
 
 
@@ -85,3 +86,26 @@ def test_frozen_head_says_why(assets, tmp_path):
     rc, log, _ = run_cli(base_yaml(assets, tmp_path / "frozen", liger_fsdp=True, additional_target=None, max_steps=1))
     assert rc == 0, log[-6000:]
     assert "[liger_fsdp] not engaged: lm_head is frozen" in log
+
+
+@pytest.mark.parametrize("bad", [dict(stage="rm"), dict(liger_fsdp_backend="cuda")])
+def test_refused_once_before_any_rank_starts(assets, tmp_path, bad):
+    """What the yaml alone decides is said once, by the launching process, as the last line."""
+    rc, log, _ = run_cli(base_yaml(assets, tmp_path / "bad", liger_fsdp=True, **bad), nproc=2)
+    assert rc != 0
+    assert log.count("[liger_fsdp] error:") == 1, log[-3000:]
+    assert log.strip().splitlines()[-1].startswith("[liger_fsdp] error: "), log[-3000:]
+    assert "Initializing 2 distributed tasks" not in log and "ChildFailedError" not in log
+
+
+def test_train_command_activates_without_the_pth_hook(assets, tmp_path):
+    """Where the .pth hook does not run, `python -m llamafactory_liger_fsdp train` activates the plugin in the
+    launcher and in every torchrun worker."""
+    no_pth = {"LLAMAFACTORY_LIGER_FSDP_PTH": "0"}
+    cfg = base_yaml(assets, tmp_path / "off", liger_fsdp=True, max_steps=2)
+    rc, log, _ = run_cli(cfg, nproc=2, extra_env=no_pth)
+    assert rc != 0 and "Some keys are not used by the HfArgumentParser: ['liger_fsdp']" in log  # really inactive
+    cfg = base_yaml(assets, tmp_path / "on", liger_fsdp=True, max_steps=2, **FSDP2)
+    rc, log, losses = run_cli(cfg, nproc=2, extra_env=no_pth, module_train=True)
+    assert rc == 0, log[-6000:]
+    assert "[liger_fsdp] engaged: head=modules_to_save (lm_head), sharding=FSDP2" in log and len(losses) == 2

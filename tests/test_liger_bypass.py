@@ -6,8 +6,8 @@ import torch
 
 liger = pytest.importorskip("liger_kernel")
 
-from llamafactory_liger_fsdp import head  # noqa: E402
-from tiny import make_batch, rel, twin  # noqa: E402
+from llamafactory_liger_fsdp.engage import engage  # noqa: E402
+from llamafactory_liger_fsdp.testing import make_batch, rel, twin  # noqa: E402
 
 
 def test_liger_flce_not_called(monkeypatch):
@@ -25,7 +25,7 @@ def test_liger_flce_not_called(monkeypatch):
             staticmethod(lambda *a, **k: calls.append(1) or (_ for _ in ()).throw(AssertionError("Liger FLCE called"))),
         )
         ref, cand = twin("llama", "mts")
-        plan = head.engage(cand, backend="torch")
+        engage(cand, backend="torch")
         batch = make_batch()
         loss = cand(**batch).loss
         loss.backward()

@@ -4,8 +4,8 @@ every trainable gradient equal the unfused model's, both Triton backends."""
 import pytest
 import torch
 
-from llamafactory_liger_fsdp import head
-from tiny import make_batch, rel, twin
+from llamafactory_liger_fsdp.engage import engage
+from llamafactory_liger_fsdp.testing import make_batch, rel, twin
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton_fast"])
@@ -13,7 +13,7 @@ from tiny import make_batch, rel, twin
 def test_plugin_through_triton(case, backend):
     family, kind = case
     ref, cand = twin(family, kind)
-    head.engage(cand, backend=backend)
+    engage(cand, backend=backend)
     batch = make_batch()
     n_t = torch.tensor(int((batch["labels"][:, 1:] != -100).sum()) * 2)
     lr, lc = ref(**batch, num_items_in_batch=n_t).loss, cand(**batch, num_items_in_batch=n_t).loss

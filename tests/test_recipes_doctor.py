@@ -1,7 +1,9 @@
-"""Every recipe parses with LLaMA-Factory's own argument parser (plugin installed), states its
-launch commands, and `doctor` says whether it will engage and why."""
+"""Every recipe parses as copied with both launchers it documents (torchrun through `llamafactory-cli`, and
+`accelerate launch` with its accelerate config), and `doctor` decides with the training code, also for a GPU
+recipe on this GPU-less machine."""
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -9,8 +11,21 @@ import sys
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")) + glob.glob(os.path.join(ROOT, "recipes", "*", "sft.yaml")))
+GPU_RECIPES = [p for p in RECIPES if "tiny_cpu" not in p]
+
+
+def _accelerate_env(accelerate_config: str, recipe: str) -> dict[str, str]:
+    """The environment `accelerate launch --config_file C -m llamafactory.launcher R` gives its workers."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", accelerate_config, "-m", "llamafactory.launcher", recipe])
+    args, _, _ = _validate_launch_command(args)
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(("ACCELERATE_", "FSDP_"))}
 
 
 def test_there_are_recipes():
@@ -19,26 +34,57 @@ def test_there_are_recipes():
             "recipes/qwen2_5_7b_lora_fsdp2.yaml", "recipes/llama3_8b_lora_head_fsdp2.yaml", "recipes/tiny_cpu/sft.yaml"} <= names
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: os.path.relpath(p, ROOT))
-def test_recipe_parses(path, monkeypatch):
+def _parse(path, monkeypatch, env=None):
     from llamafactory.hparams import get_train_args
 
-    from llamafactory_liger_fsdp import config
-
-    text = open(path).read()
-    assert "llamafactory-cli train recipes/" in text  # the launch command is stated
-    if "tiny_cpu" not in path:
-        assert "accelerate launch --config_file recipes/accelerate/fsdp" in text
-    cfg = yaml.safe_load(text)
+    for key in [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_"))]:
+        monkeypatch.delenv(key)
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
     monkeypatch.delenv("ALLOW_EXTRA_ARGS", raising=False)
     # CI has no GPU and transformers refuses `bf16: true` there unless told to run on the CPU:
     # the only override, given the way a user would (a CLI override after the yaml).
     monkeypatch.setattr(sys, "argv", ["llamafactory-cli", path, "use_cpu=true"])
-    model_args, data_args, training_args, finetuning_args, _ = get_train_args()
-    assert config.get_config(finetuning_args).enabled is True
-    assert finetuning_args.stage == "sft"
+    return get_train_args()
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_recipe_parses_with_torchrun(path, monkeypatch):
+    from llamafactory_liger_fsdp import config
+
+    text = open(path).read()
+    assert "llamafactory-cli train recipes/" in text  # the launch command is stated
+    assert "trust_remote_code" not in text  # Llama and Qwen2 are native in transformers
+    cfg = yaml.safe_load(text)
+    *_, finetuning_args, _ = _parse(path, monkeypatch)
+    plugin = config.get_config(finetuning_args)
+    assert plugin.enabled is True and finetuning_args.stage == "sft"
     if cfg.get("fsdp"):
-        assert int(training_args.fsdp_config["version"]) == cfg["fsdp_config"]["version"]
+        assert plugin.sharding.fsdp_version == cfg["fsdp_config"]["version"]
+
+
+@pytest.mark.parametrize("path", GPU_RECIPES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_recipe_parses_with_accelerate_launch(path, monkeypatch):
+    """The launch line the recipe states, as accelerate would run it: same yaml, same decisions."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from llamafactory_liger_fsdp import config
+
+    text = open(path).read()
+    line = next(l for l in text.splitlines() if "accelerate launch --config_file" in l)
+    accelerate_config = os.path.join(ROOT, line.split("--config_file", 1)[1].split()[0])
+    env = _accelerate_env(accelerate_config, path)
+    assert env["ACCELERATE_USE_FSDP"] == "true"
+    _, _, training_args, finetuning_args, _ = _parse(path, monkeypatch, env)
+    plugin = config.get_config(finetuning_args)
+    version = int(env["FSDP_VERSION"])
+    assert plugin.sharding.fsdp_version == version == yaml.safe_load(text)["fsdp_config"]["version"]
+    # what the Trainer then builds: the yaml's FSDP keys and the accelerate config agree
+    # (sync_module_states, which cpu_ram_efficient_loading implies, looks up a GPU; there is none here)
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
+    fsdp_plugin = FullyShardedDataParallelPlugin(**dict(training_args.fsdp_plugin_args, sync_module_states=False))
+    assert fsdp_plugin.fsdp_version == version
+    assert "FULL_STATE_DICT" in str(fsdp_plugin.state_dict_type)
 
 
 @pytest.mark.parametrize("name", ["fsdp1.yaml", "fsdp2.yaml"])
@@ -50,10 +96,10 @@ def test_accelerate_configs(name):
     assert int(cfg.fsdp_config["fsdp_version"]) == int(name[4])
 
 
-def _doctor(*args):
-    env = dict(os.environ, LLAMAFACTORY_VERBOSITY="WARN")
+def _doctor(*args, **env):
+    full_env = dict(os.environ, LLAMAFACTORY_VERBOSITY="WARN", HF_HUB_OFFLINE="1", **env)
     proc = subprocess.run([sys.executable, "-m", "llamafactory_liger_fsdp", "doctor", *args], capture_output=True,
-                          text=True, env=env, timeout=300)
+                          text=True, env=full_env, timeout=300)
     return proc.returncode, proc.stdout
 
 
@@ -65,30 +111,57 @@ def test_doctor_versions_and_hook():
     assert "import hook: active" in out
 
 
-def test_doctor_will_engage(tmp_path):
-    from e2e_assets import FSDP2, base_yaml, build
+@pytest.fixture(scope="module")
+def qwen7b_config(tmp_path_factory):
+    """Qwen2.5-7B's real config (no weights): the doctor builds that model on the meta device."""
+    from transformers import Qwen2Config
 
-    assets = build(tmp_path / "assets")
-    on = tmp_path / "on.yaml"
-    on.write_text(yaml.safe_dump(base_yaml(assets, tmp_path / "o1", liger_fsdp=True)))
-    rc, out = _doctor(str(on))
+    path = tmp_path_factory.mktemp("qwen2_5_7b")
+    Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False).save_pretrained(path)
+    return str(path)
+
+
+def test_doctor_gpu_recipe_on_this_cpu_machine(qwen7b_config):
+    recipe = os.path.join(ROOT, "recipes", "qwen2_5_7b_lora_fsdp2.yaml")
+    rc, out = _doctor(recipe, f"model_name_or_path={qwen7b_config}")
     assert rc == 0, out
-    assert "will engage: head=modules_to_save" in out and "model type llama: supported" in out
-    fsdp2 = tmp_path / "fsdp2.yaml"
-    fsdp2.write_text(yaml.safe_dump(base_yaml(assets, tmp_path / "o5", liger_fsdp=True, **FSDP2)))
-    rc, out = _doctor(str(fsdp2))
-    assert rc == 0, out
-    assert "fsdp=FSDP2" in out
-    assert "checkpoints: state dict FULL_STATE_DICT; adapter checkpoints hold full tensors and resume on every rank." in out
-    frozen = tmp_path / "frozen.yaml"
-    frozen.write_text(yaml.safe_dump(base_yaml(assets, tmp_path / "o2", liger_fsdp=True, additional_target=None)))
-    rc, out = _doctor(str(frozen))
-    assert rc == 1 and "not engaged: lm_head stays frozen" in out
-    off = tmp_path / "off.yaml"
-    off.write_text(yaml.safe_dump(base_yaml(assets, tmp_path / "o3")))
-    rc, out = _doctor(str(off))
-    assert rc == 1 and "`liger_fsdp` is not set to true" in out
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(base_yaml(assets, tmp_path / "o4", liger_fsdp=True, stage="dpo")))
-    rc, out = _doctor(str(bad))
-    assert rc == 1 and "does not work with `stage: dpo`" in out
+    assert "this machine: LLaMA-Factory would reject the yaml here (Your setup doesn't support bf16/gpu" in out
+    assert "sharding: FSDP2 (from the yaml's `fsdp:` keys)" in out
+    assert "model type qwen2." in out
+    assert "will engage: head=modules_to_save (lm_head)" in out
+    assert "[liger_fsdp]" not in out  # a clean report, not interleaved with training-time lines
+
+
+def _yaml(tmp_path, name, assets, **kw):
+    from support.cli import base_yaml
+
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(base_yaml(assets, tmp_path / name, **kw)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from support.cli import build
+
+    return build(tmp_path_factory.mktemp("assets"))
+
+
+def test_doctor_decides_like_training(assets, tmp_path):
+    rc, out = _doctor(_yaml(tmp_path, "frozen", assets, liger_fsdp=True, additional_target=None))
+    assert rc == 0 and "not engaged: lm_head is frozen" in out, out  # trains: exit 0
+    rc, out = _doctor(_yaml(tmp_path, "off", assets))
+    assert rc == 0 and "plugin off" in out, out
+    rc, out = _doctor(_yaml(tmp_path, "dora", assets, liger_fsdp=True, additional_target=None,
+                            lora_target="q_proj,lm_head", use_dora=True))
+    assert rc == 1 and "error: `liger_fsdp: true` supports plain LoRA on lm_head; this head uses DoRA" in out, out
+    rc, out = _doctor(_yaml(tmp_path, "dpo", assets, liger_fsdp=True, stage="dpo", pref_beta=0.1))
+    assert rc == 1 and "error: `liger_fsdp: true` does not work with `stage: dpo`" in out, out
+
+
+def test_doctor_says_when_the_hook_is_inactive(assets, tmp_path):
+    rc, out = _doctor(_yaml(tmp_path, "on", assets, liger_fsdp=True), LLAMAFACTORY_LIGER_FSDP_PTH="0")
+    assert rc == 1, out
+    assert "import hook: NOT active" in out and "python -m llamafactory_liger_fsdp train" in out
+    assert "will engage: head=modules_to_save (lm_head)" in out  # still evaluated

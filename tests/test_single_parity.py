@@ -5,8 +5,8 @@ accumulation (``num_items_in_batch``)."""
 import pytest
 import torch
 
-from llamafactory_liger_fsdp import head
-from tiny import FAMILY_CONFIGS, make_batch, rel, twin
+from llamafactory_liger_fsdp.engage import disengage, engage, engaged
+from llamafactory_liger_fsdp.testing import FAMILY_CONFIGS, make_batch, rel, twin
 
 TOL = 1e-5
 
@@ -28,8 +28,8 @@ def _compare(ref, cand, atol_rel=TOL):
 def test_family_parity(family, kind):
     ref, cand = twin(family, kind)
     ref.train(), cand.train()
-    plan = head.engage(cand, backend="torch")
-    assert plan is not None and plan.kind == {"mts": "modules_to_save", "lora": "lora", "full": "full"}[kind]
+    done = engage(cand, backend="torch")
+    assert done is not None and done.head.kind == {"mts": "modules_to_save", "lora": "lora", "full": "full"}[kind]
     batch = make_batch()
     out_ref = ref(**batch)
     out = cand(**batch)
@@ -40,22 +40,24 @@ def test_family_parity(family, kind):
     _compare(ref, cand)
 
 
-def test_softcap_is_applied():
-    ref, cand = twin("gemma2", "full")
-    head.engage(cand, backend="torch")
-    assert head.plan_of(cand).softcap == 3.0
+def test_softcap_is_applied(monkeypatch):
+    """Gemma 2's final-logit softcap (3.0 here) matters to the loss, and the fused loss applies it."""
+    from llamafactory_liger_fsdp import families
+
     batch = make_batch()
-    uncapped = head.plan_of(cand)
-    uncapped.softcap = None
-    assert abs(cand(**batch).loss.item() - ref(**batch).loss.item()) > 1e-3  # softcap matters here
-    uncapped.softcap = 3.0
+    ref, cand = twin("gemma2", "full")
+    engage(cand, backend="torch")
     assert abs(cand(**batch).loss.item() - ref(**batch).loss.item()) <= TOL * ref(**batch).loss.item()
+    _, dropped = twin("gemma2", "full")
+    monkeypatch.setattr(families, "softcap", lambda family, config: None)  # a planted wrong quirk
+    engage(dropped, backend="torch")
+    assert abs(dropped(**batch).loss.item() - ref(**batch).loss.item()) > 1e-3
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_moe_aux_loss_included(family):
     ref, cand = twin(family, "mts")
-    head.engage(cand, backend="torch")
+    engage(cand, backend="torch")
     batch = make_batch()
     out, out_ref = cand(**batch), ref(**batch)
     assert out.aux_loss is not None and out.aux_loss.item() > 0
@@ -68,7 +70,7 @@ def test_moe_aux_loss_included(family):
 def test_lora_head_delta_enters_loss():
     """The silent bug: a loss that reads lm_head.weight ignores the LoRA delta; ours does not."""
     ref, cand = twin("llama", "lora")
-    plan = head.engage(cand, backend="torch")
+    done = engage(cand, backend="torch")
     batch = make_batch()
     loss = cand(**batch).loss
     loss.backward()
@@ -81,13 +83,13 @@ def test_lora_head_delta_enters_loss():
     assert abs(base_only.item() - loss.item()) > 1e-3
     assert abs(loss.item() - ref(**batch).loss.item()) <= TOL * loss.item()
     for name in ("lora_A", "lora_B"):
-        g = getattr(lm, name)[plan.lora_a_path.rsplit(".", 1)[1]].weight.grad
+        g = getattr(lm, name)[done.head.adapter].weight.grad
         assert g is not None and g.abs().sum() > 0
 
 
 def test_lora_dropout_same_mask():
     ref, cand = twin("qwen2", "lora", dropout=0.3)
-    head.engage(cand, backend="torch")
+    engage(cand, backend="torch")
     batch = make_batch()
     torch.manual_seed(7)
     lr = ref(**batch).loss
@@ -102,7 +104,7 @@ def test_lora_dropout_same_mask():
 def test_gradient_accumulation_num_items_in_batch(kind):
     """Two micro-batches normalised by the total token count, as transformers' Trainer does."""
     ref, cand = twin("llama", kind)
-    head.engage(cand, backend="torch")
+    engage(cand, backend="torch")
     micro = [make_batch(seed=1, ignore_frac=0.1), make_batch(seed=2, ignore_frac=0.6)]
     num_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
     n_t = torch.tensor(num_items)
@@ -123,7 +125,7 @@ def test_gradient_accumulation_num_items_in_batch(kind):
 
 def test_eval_mode_returns_logits():
     ref, cand = twin("llama", "mts")
-    head.engage(cand, backend="torch")
+    engage(cand, backend="torch")
     cand.eval(), ref.eval()
     batch = make_batch()
     with torch.no_grad():
@@ -134,7 +136,7 @@ def test_eval_mode_returns_logits():
 def test_bf16_within_rounding():
     ref, cand = twin("qwen2", "mts")
     ref.to(torch.bfloat16), cand.to(torch.bfloat16)
-    head.engage(cand, backend="torch")
+    engage(cand, backend="torch")
     batch = make_batch(batch=4, seq=32)
     lr, lc = ref(**batch).loss, cand(**batch).loss
     lr.backward(), lc.backward()
@@ -143,18 +145,18 @@ def test_bf16_within_rounding():
 
 
 def test_frozen_head_does_not_engage(capsys):
-    from tiny import make_model
+    from llamafactory_liger_fsdp.testing import make_model
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(make_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    assert head.engage(model, backend="torch") is None
+    assert engage(model, backend="torch") is None
     assert "[liger_fsdp] not engaged: lm_head is frozen" in capsys.readouterr().err
 
 
 def test_disengage_restores_forward():
     ref, cand = twin("llama", "full")
-    plan = head.engage(cand, backend="torch")
+    engage(cand, backend="torch")
     assert "forward" in cand.__dict__
-    head.disengage(cand)
-    assert "forward" not in cand.__dict__ and head.plan_of(cand) is None
+    disengage(cand)
+    assert "forward" not in cand.__dict__ and engaged(cand) is None
     assert cand(**make_batch()).logits is not None

@@ -1,7 +1,7 @@
 """TEST-ONLY shim: let accelerate run FSDP on CPU ranks (gloo).
 
 accelerate switches to DistributedType.FSDP only for GPU-like devices; on CPU it silently trains
-plain DDP even with an FSDP config (see shared CPU_TESTING.md). Tests put this directory on
+plain DDP even with an FSDP config (accelerate/state.py picks FSDP for GPU-like devices only). Tests put this directory on
 PYTHONPATH so every process of a `llamafactory-cli train` run (the torchrun workers included)
 forces the FSDP type whenever an FSDP plugin was given. The tests then assert that the model
 really is sharded (FSDP units / DTensor parameters) -- this shim alone proves nothing.

@@ -1,6 +1,7 @@
-"""The parity tables of the closing notes, on the CPU (fp32): the engaged model against the unfused one.
+"""The parity numbers behind the tests, on the CPU (fp32): the engaged model against the unfused one.
+A report script of the test suite (not collected by pytest; the tests assert the same bounds).
 
-    python bench/parity_table.py [--out bench/results/cpu_parity.json]
+    python tests/report_parity.py [--out bench/results/cpu_parity.json]
 
 * one process, every supported family x head kind: loss rel diff / max rel diff over every trainable
   gradient (the checks of tests/test_single_parity.py, as numbers);
@@ -17,20 +18,19 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # this file's own directory: test_dist_parity's case list
 
 
 def single():
-    from tiny import FAMILY_CONFIGS, make_batch, rel, twin
-
-    from llamafactory_liger_fsdp import head
+    from llamafactory_liger_fsdp.engage import engage
+    from llamafactory_liger_fsdp.testing import FAMILY_CONFIGS, make_batch, rel, twin
 
     rows = []
     for family in sorted(FAMILY_CONFIGS):
         for kind in ("mts", "lora", "full"):
             ref, cand = twin(family, kind)
             ref.train(), cand.train()
-            head.engage(cand, backend="torch")
+            engage(cand, backend="torch")
             batch = make_batch()
             out_ref, out = ref(**batch), cand(**batch)
             loss = abs(out.loss.item() - out_ref.loss.item()) / abs(out_ref.loss.item())

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def build(out: Path, *extra: str) -> Path:
@@ -59,8 +59,10 @@ FSDP1 = dict(
 )
 
 
-def run_cli(cfg: dict, nproc: int | None = None, fsdp1: bool = False, timeout: int = 600, extra_env: dict | None = None):
-    """`llamafactory-cli train cfg.yaml`; returns (returncode, log text, per-step losses)."""
+def run_cli(cfg: dict, nproc: int | None = None, fsdp1: bool = False, timeout: int = 600, extra_env: dict | None = None,
+            module_train: bool = False):
+    """`llamafactory-cli train cfg.yaml` (or `python -m llamafactory_liger_fsdp train cfg.yaml` with
+    ``module_train``); returns (returncode, log text, per-step losses)."""
     import json
 
     import yaml
@@ -82,8 +84,9 @@ def run_cli(cfg: dict, nproc: int | None = None, fsdp1: bool = False, timeout: i
             env.pop(key, None)
         else:
             env[key] = value
+    command = [sys.executable, "-m", "llamafactory_liger_fsdp"] if module_train else [os.path.join(bindir, "llamafactory-cli")]
     proc = subprocess.run(
-        [os.path.join(bindir, "llamafactory-cli"), "train", str(path)],
+        [*command, "train", str(path)],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=str(out.parent),
     )
     log = proc.stdout + proc.stderr

@@ -1,0 +1,53 @@
+"""A head whose kernel weight is one plain ``nn.Linear`` weight: PEFT's trained ``modules_to_save`` copy
+(``additional_target: lm_head``) or the head itself under full fine-tuning (tied or not)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import gather, thirdparty
+from .base import Head, Kernel, check_linear, is_shared, only_adapter
+
+
+@dataclass(frozen=True)
+class LinearHead(Head):
+    kind: str  # "modules_to_save" | "full"
+    head_path: str
+    weight_path: str
+    tied: bool = False
+
+    @property
+    def weight_paths(self) -> tuple[str, ...]:
+        return (self.weight_path,)
+
+    def run(self, causal_lm: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, kernel: Kernel):
+        found, module = gather.resolve(causal_lm, self.weight_path)
+
+        def inside(h: torch.Tensor, y: torch.Tensor):
+            gather.check_full(module.weight)
+            return kernel(h, module.weight, y)
+
+        return gather.call_through(found, inside, hidden, labels)
+
+
+def detect(causal_lm: nn.Module, head: nn.Module, head_path: str) -> LinearHead | str | None:
+    """A :class:`LinearHead`, a reason the head is frozen, or None when ``head`` is not this kind."""
+    if thirdparty.is_modules_to_save(head):
+        if head.disable_adapters:
+            return "the lm_head copy in `additional_target` is disabled (adapters off): the head is frozen"
+        adapter = only_adapter(head, "modules_to_save")
+        inner = head.modules_to_save[adapter]
+        check_linear(inner, "the trained lm_head copy (modules_to_save)")
+        if not inner.weight.requires_grad:
+            return "the lm_head copy in `additional_target` is frozen"
+        path = f"{head_path}.modules_to_save.{adapter}"
+        return LinearHead("modules_to_save", head_path, path, is_shared(causal_lm, inner.weight))
+    if type(head) is nn.Linear:
+        check_linear(head, "lm_head")
+        if not head.weight.requires_grad:
+            return "lm_head is frozen (not in `additional_target` or `lora_target`, no full fine-tuning)"
+        return LinearHead("full", head_path, head_path, is_shared(causal_lm, head.weight))
+    return None

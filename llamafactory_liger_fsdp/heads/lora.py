@@ -1,0 +1,79 @@
+"""PEFT LoRA on the head (``lm_head`` in ``lora_target``): the LoRA delta enters the loss exactly.
+
+``h W^T + s (A drop(h))^T B^T = [h, s A drop(h)] [W, B]^T``: one kernel call on the concatenation, run
+through the units of the base layer and of lora_B; ``A drop(h)`` is computed by calling lora_A as a
+module (through its own unit, if it is one), so lora_A and lora_B get exact gradients. Cost: a
+``[V, H + r]`` copy of the concatenated weight while the kernel runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import gather, thirdparty
+from ..config import LigerFsdpConfigError
+from .base import Head, Kernel, check_linear, is_shared, only_adapter
+
+
+@dataclass(frozen=True)
+class LoraHead(Head):
+    head_path: str
+    adapter: str
+    scaling: float
+    tied: bool = False
+    kind: str = "lora"
+
+    @property
+    def weight_paths(self) -> tuple[str, ...]:
+        return (f"{self.head_path}.base_layer", f"{self.head_path}.lora_B.{self.adapter}")
+
+    def run(self, causal_lm: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, kernel: Kernel):
+        a_path = f"{self.head_path}.lora_A.{self.adapter}"
+        dropout = gather.entry_at(causal_lm, f"{self.head_path}.lora_dropout.{self.adapter}")
+        a_dtype = gather.local_dtype(gather.module_at(causal_lm, a_path))  # PEFT casts the input to lora_A's dtype
+        x = hidden if a_dtype is None else hidden.to(a_dtype)
+        u = gather.entry_at(causal_lm, a_path)(dropout(x)) * self.scaling
+        resolved = [gather.resolve(causal_lm, p) for p in self.weight_paths]
+        found = [unit for unit_list, _ in resolved for unit in unit_list]
+        base, lora_b = (module for _, module in resolved)
+
+        def inside(h: torch.Tensor, u_in: torch.Tensor, y: torch.Tensor):
+            w, b = base.weight, lora_b.weight
+            gather.check_full(w, b)
+            dtype = torch.promote_types(torch.promote_types(h.dtype, u_in.dtype), torch.promote_types(w.dtype, b.dtype))
+            hcat = torch.cat([h.to(dtype), u_in.to(dtype)], dim=-1)
+            wcat = torch.cat([w.to(dtype), b.to(dtype)], dim=-1)
+            return kernel(hcat, wcat, y)
+
+        return gather.call_through(found, inside, hidden, u, labels)
+
+
+def detect(causal_lm: nn.Module, head: nn.Module, head_path: str) -> LoraHead | str | None:
+    """A :class:`LoraHead`, a reason the head is frozen, or None when ``head`` is not a LoRA layer."""
+    if not thirdparty.is_lora_layer(head):
+        return None
+    if head.disable_adapters or head.merged:
+        return "LoRA on lm_head is disabled or merged: the head is frozen"
+    adapter = only_adapter(head, "LoRA")
+    if adapter not in head.lora_A:
+        return "the active adapter has no LoRA on lm_head: the head is frozen"
+    problems = []
+    if head.use_dora.get(adapter, False) or adapter in getattr(head, "lora_variant", {}):
+        problems.append("DoRA/LoRA variants")
+    if getattr(head, "fan_in_fan_out", False):
+        problems.append("fan_in_fan_out")
+    if getattr(head.lora_B[adapter], "bias", None) is not None:
+        problems.append("lora_bias")
+    if problems:
+        raise LigerFsdpConfigError(
+            f"`liger_fsdp: true` supports plain LoRA on lm_head; this head uses {', '.join(problems)}. "
+            "Fix: use plain LoRA on lm_head (or put lm_head in `additional_target`), or remove `liger_fsdp`."
+        )
+    check_linear(head.base_layer, "the LoRA head's base layer")
+    check_linear(head.lora_B[adapter], "the LoRA head's lora_B")
+    if not (head.lora_A[adapter].weight.requires_grad or head.lora_B[adapter].weight.requires_grad):
+        return "the LoRA weights on lm_head are frozen"
+    return LoraHead(head_path, adapter, float(head.scaling[adapter]), is_shared(causal_lm, head.base_layer.weight))

@@ -1,0 +1,56 @@
+"""Every point where the plugin touches third-party code. Each patch is guarded by a signature check,
+recorded in :mod:`.._patch`, logged once on rank 0 when the flag is on, and undone by :func:`unpatch`.
+
+LLaMA-Factory (:mod:`.llamafactory`, patched by the import hook right after each module executes):
+
+1. ``llamafactory.hparams.parser._parse_args`` -- takes the ``liger_fsdp*`` keys out before
+   ``HfArgumentParser`` sees them, validates them, decides the run's sharding once and runs the
+   refusals (:mod:`..refusals`); hangs the config on ``FinetuningArguments``.
+2. ``llamafactory.hparams.parser.get_train_args`` -- never resume from a half-written checkpoint.
+3. ``llamafactory.model.loader.load_model`` -- after LLaMA-Factory built the (PEFT) model,
+   :func:`..engage.engage` sets the fused forward and tags the head's FSDP units.
+4. ``llamafactory.launcher.launch`` -- ``llamafactory-cli train``'s launching process checks what the
+   yaml alone decides before any rank starts (one error, printed once, last).
+
+accelerate (:mod:`.accelerate`, once a model engaged under FSDP):
+
+5. ``FullyShardedDataParallelPlugin.set_auto_wrap_policy`` (FSDP1) and
+   ``fsdp_utils.fsdp2_prepare_auto_wrap_policy`` (FSDP2) -- the tagged head modules become units.
+
+transformers (:mod:`.trainer`, FSDP2 + adapter, only where the installed accelerate needs it):
+
+6. ``transformers.trainer.save_fsdp_model`` / ``load_fsdp_model`` -- :mod:`..checkpoint.repair`.
+
+Liger-Kernel: with ``enable_liger_kernel: true`` LLaMA-Factory still applies Liger's kernels (RMSNorm,
+RoPE, SwiGLU); Liger's fused loss lives in the *class* ``forward`` it installs, ours is set on the
+*instance*, so in training Liger's fused loss is never called.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import _patch
+from .._log import info_rank0
+
+PARSER = "llamafactory.hparams.parser"
+LOADER = "llamafactory.model.loader"
+LAUNCHER = "llamafactory.launcher"
+HOOKED_MODULES = (PARSER, LOADER, LAUNCHER)
+
+
+def on_module_loaded(name: str, module: Any) -> None:
+    """Called by the import hook right after a hooked LLaMA-Factory module has executed."""
+    from . import llamafactory
+
+    patchers = {PARSER: llamafactory.patch_parser, LOADER: llamafactory.patch_loader,
+                LAUNCHER: llamafactory.patch_launcher}
+    try:
+        patchers[name](module)
+    except _patch.PatchError as exc:
+        info_rank0(f"[liger_fsdp] cannot hook {name}: {exc}; `liger_fsdp` is unavailable in this environment")
+
+
+def unpatch() -> None:
+    """Undo every patch (tests; a process that wants LLaMA-Factory back as installed)."""
+    _patch.undo_all()

@@ -1,0 +1,175 @@
+"""Patches 1-4 of :mod:`.` : LLaMA-Factory's parser, loader and launcher."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+from .. import _patch, config, refusals, sharding, thirdparty
+from .._log import info_rank0
+from ..checkpoint import resume
+from ..config import LigerFsdpConfigError
+
+_DISABLED_LOGGED = False
+
+
+def _log_disabled(ours: dict) -> None:
+    global _DISABLED_LOGGED
+    if ours and not _DISABLED_LOGGED:
+        _DISABLED_LOGGED = True
+        info_rank0(f"[liger_fsdp] {config.DISABLE_ENV}=1: the liger_fsdp keys are accepted and ignored; this run "
+                   "trains as without the plugin.")
+
+
+# --------------------------------------------------------------------------- 1./2. the parser
+def config_from_args(raw: Any) -> tuple[Any, config.LigerFsdpConfig]:
+    """The raw arguments without our keys, and our validated config (off when disabled by the env)."""
+    rest, ours = config.split(raw)
+    if config.disabled_by_env():
+        _log_disabled(ours)
+        return rest, config.LigerFsdpConfig()
+    return rest, config.from_mapping(ours)
+
+
+def patch_parser(parser_module: Any) -> None:
+    _patch.require_params(parser_module._parse_args, ("parser", "args", "allow_extra_keys"), "_parse_args")
+    read_args = parser_module.read_args
+
+    def make(original):
+        def _parse_args(parser, args=None, allow_extra_keys=False):
+            rest, cfg = config_from_args(read_args(args))
+            result = original(parser, rest, allow_extra_keys=allow_extra_keys)
+            parsed = thirdparty.parsed_args(result)
+            if cfg.enabled and "training" in parsed and "finetuning" in parsed:
+                cfg = dataclasses.replace(cfg, sharding=sharding.decide(parsed["training"]))
+                _patch.log_once()
+                refusals.check_parsed(parsed, cfg.sharding)
+                resume.check_state_dict_type(cfg.sharding, parsed["finetuning"])
+            if "finetuning" in parsed:
+                setattr(parsed["finetuning"], config.ATTR, cfg)
+            return result
+
+        return _parse_args
+
+    _patch.apply(parser_module, "_parse_args", make, "accept and validate the liger_fsdp keys")
+
+    # LLaMA-Factory picks the checkpoint to resume from (get_last_checkpoint of output_dir) in
+    # get_train_args *after* _parse_args returns, so the resume check wraps get_train_args.
+    _patch.require_params(parser_module.get_train_args, ("args",), "get_train_args")
+
+    def make_train(original):
+        def get_train_args(args=None):
+            result = original(args)
+            parsed = thirdparty.parsed_args(result)
+            if config.get_config(parsed.get("finetuning")).enabled and getattr(parsed.get("training"), "do_train", False):
+                resume.check_resume(read_args(args), parsed["training"])
+            return result
+
+        return get_train_args
+
+    _patch.apply(parser_module, "get_train_args", make_train, "never resume from a half-written checkpoint")
+
+
+# --------------------------------------------------------------------------- 3. the model
+def check_family(model_args: Any) -> None:
+    """Refuse an unsupported family from the model's config alone (no weights loaded)."""
+    from transformers import AutoConfig
+
+    from .. import families
+
+    model_config = AutoConfig.from_pretrained(
+        model_args.model_name_or_path, trust_remote_code=getattr(model_args, "trust_remote_code", False),
+        cache_dir=getattr(model_args, "cache_dir", None), revision=getattr(model_args, "model_revision", "main"),
+    )
+    families.family_of(getattr(model_config, "model_type", None))
+
+
+def patch_loader(loader_module: Any) -> None:
+    _patch.require_params(loader_module.load_model, ("tokenizer", "model_args", "finetuning_args", "is_trainable"),
+                          "load_model")
+
+    def make(original):
+        def load_model(tokenizer, model_args, finetuning_args, is_trainable=False, add_valuehead=False, **kwargs):
+            cfg = config.get_config(finetuning_args)
+            if cfg.enabled and not is_trainable:
+                info_rank0("[liger_fsdp] not engaged: the model is loaded for inference/export, not training.")
+            if not (cfg.enabled and is_trainable):
+                return original(tokenizer, model_args, finetuning_args, is_trainable, add_valuehead, **kwargs)
+            check_family(model_args)
+            model = original(tokenizer, model_args, finetuning_args, is_trainable, add_valuehead, **kwargs)
+            engage_model(model, cfg, liger=bool(getattr(model_args, "enable_liger_kernel", False)))
+            return model
+
+        return load_model
+
+    patch = _patch.apply(loader_module, "load_model", make, "engage the fused lm_head loss on the loaded model")
+    if patch is not None:  # names bound before the hook (late activation only)
+        for mod_name, mod in list(sys.modules.items()):
+            if mod_name.startswith("llamafactory") and mod is not loader_module:
+                _patch.rebind(mod, "load_model", patch.original, patch.replacement, "re-exported load_model")
+
+
+def engage_model(model: Any, cfg: config.LigerFsdpConfig, liger: bool = False):
+    """Engage the fused loss on a freshly loaded model; patch what its sharding needs."""
+    from .. import engage
+    from . import accelerate, trainer
+
+    done = engage.engage(model, cfg)
+    if done is None:
+        return None
+    kind = getattr(cfg.sharding, "kind", None)
+    if kind in (None, sharding.FSDP1, sharding.FSDP2):
+        accelerate.patch_wrap_policies()
+    if kind in (None, sharding.FSDP2):
+        trainer.patch_checkpointing(cfg)
+    _patch.log_once()
+    if liger:
+        info_rank0("[liger_fsdp] enable_liger_kernel: Liger's fused linear cross entropy is bypassed for this model "
+                   "(the plugin computes the loss); Liger's other kernels stay.")
+    return done
+
+
+# --------------------------------------------------------------------------- 4. the launcher
+def precheck(raw: Any) -> None:
+    """What the yaml alone decides, checked in the launching process (same rules as in every rank)."""
+    rest, cfg = config_from_args(raw)
+    if not cfg.enabled or not isinstance(rest, dict):
+        return
+    args = SimpleNamespace(**{k: rest.get(k) for k in ("deepspeed", "fsdp", "fsdp_config")})
+    decided = sharding.decide(args)
+    refusals.check_raw(rest, decided)
+    resume.check_state_dict_type(decided, SimpleNamespace(finetuning_type=rest.get("finetuning_type", "lora")))
+    if rest.get("resume_from_checkpoint"):
+        resume.check_resume(rest, SimpleNamespace(resume_from_checkpoint=rest["resume_from_checkpoint"]))
+    try:
+        check_family(SimpleNamespace(**rest))
+    except LigerFsdpConfigError:
+        raise
+    except Exception:  # config not readable here (hub id offline, ...): checked again at load time
+        pass
+
+
+def patch_launcher(launcher_module: Any) -> None:
+    _patch.require_params(launcher_module.launch, (), "launch")
+
+    def make(original):
+        def launch():
+            if sys.argv[1:2] == ["train"]:
+                from llamafactory.hparams.parser import read_args
+
+                saved = sys.argv
+                sys.argv = [saved[0]] + saved[2:]
+                try:
+                    precheck(read_args())
+                except LigerFsdpConfigError as exc:
+                    print(f"[liger_fsdp] error: {exc}", file=sys.stderr, flush=True)
+                    sys.exit(1)
+                finally:
+                    sys.argv = saved
+            return original()
+
+        return launch
+
+    _patch.apply(launcher_module, "launch", make, "refuse what the yaml alone decides before any rank starts")

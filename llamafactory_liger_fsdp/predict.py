@@ -1,0 +1,83 @@
+"""What the plugin will decide for a parsed yaml, without weights: the same code as training.
+
+:func:`decide` reads the model's config, builds the model on the ``meta`` device, lets LLaMA-Factory's
+own ``init_adapter`` turn it into the PEFT model training would build, and runs the training-time
+checks on it (family, loss function, head kind: :func:`..engage.engage` minus the forward). A 70B model
+costs nothing on ``meta``; no GPU is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import LigerFsdpConfigError
+
+
+@dataclass
+class Decision:
+    family: str | None = None
+    quirks: list[str] = field(default_factory=list)
+    head: str | None = None  # head.describe(), when it will engage
+    not_engaged: str | None = None  # why the plain loss has nothing to fix
+    error: str | None = None  # a refusal: training would stop with this text
+    note: str | None = None  # what could not be evaluated here
+
+
+def _quirks(family: Any, model_config: Any) -> list[str]:
+    from . import families
+
+    quirks = []
+    cap = families.softcap(family, model_config)
+    if cap:
+        quirks.append(f"final-logit softcap {cap:g}")
+    if family.moe:
+        quirks.append("MoE router aux loss")
+    return quirks
+
+
+def build_meta_model(model_args: Any, finetuning_args: Any):
+    """The (PEFT) causal LM of this yaml on the meta device, as LLaMA-Factory's loader would set it up."""
+    import torch
+    from llamafactory.model.adapter import init_adapter
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    trust = bool(getattr(model_args, "trust_remote_code", False))
+    model_config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust)
+    return model_config, init_adapter(model_config, model, model_args, finetuning_args, is_trainable=True)
+
+
+def decide(model_args: Any, finetuning_args: Any) -> Decision:
+    from . import families, heads
+    from .engage import causal_lm_of, check_model
+
+    out = Decision()
+    try:
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(model_args.model_name_or_path,
+                                                  trust_remote_code=bool(getattr(model_args, "trust_remote_code", False)))
+    except Exception as exc:  # offline hub id, missing file
+        out.note = f"could not read the model's config here ({type(exc).__name__}: {exc}); it is checked at load time"
+        return out
+    out.family = getattr(model_config, "model_type", None)
+    try:
+        family = families.family_of(out.family)
+        out.quirks = _quirks(family, model_config)
+        _, model = build_meta_model(model_args, finetuning_args)
+        causal_lm = causal_lm_of(model)
+        check_model(causal_lm)
+        head = heads.detect(causal_lm)
+    except LigerFsdpConfigError as exc:
+        out.error = str(exc)
+        return out
+    except Exception as exc:  # e.g. quantization that cannot be set up on meta
+        out.note = f"could not build the model on the meta device ({type(exc).__name__}: {exc}); the head is checked at load time"
+        return out
+    if isinstance(head, str):
+        out.not_engaged = head
+    else:
+        out.head = head.describe()
+    return out
