@@ -3,9 +3,9 @@
 #   bash bench/run_h200.sh kernel   # real-size kernel checks + the FLCE benchmark + CPU parity tests on the image's newer stack
 #   bash bench/run_h200.sh sft      # real-size LLaMA-Factory SFT runs (bench/real_size_sft.py)
 #   bash bench/run_h200.sh all      # kernel benchmark + checks, then the SFT runs
-#   bash bench/run_h200.sh multi    # bench/multi_gpu_fsdp.py on every GPU of the machine (issue 6; on one GPU:
+#   bash bench/run_h200.sh multi    # bench/multi_gpu_fsdp.py on every GPU of the machine (on one GPU:
 #                                   # FSDP2 at world size 1, 20-step curves, as far as one GPU goes)
-# Wheels that the image lacks travel in .whl/ (see README "Benchmarks"); results go to $OUT (or bench/results).
+# Wheels that the image lacks travel in .whl/ (see bench/RESULTS.md); results go to $OUT (or bench/results).
 set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
