@@ -82,17 +82,27 @@ def log_once() -> None:
         info_rank0(f"[liger_fsdp] patched {patch.where}: {patch.why}")
 
 
+def undo(owner: Any, name: str) -> None:
+    """Restore one patched attribute (and the names bound to its replacement elsewhere)."""
+    for patch in [p for p in _APPLIED if p.owner is owner and p.name == name]:
+        _APPLIED.remove(patch)
+        _restore(patch)
+
+
+def _restore(patch: Patch) -> None:
+    import sys
+
+    if getattr(patch.owner, patch.name, None) is patch.replacement:
+        setattr(patch.owner, patch.name, patch.original)
+    for module in list(sys.modules.values()):
+        if getattr(module, "__dict__", {}).get(patch.name) is patch.replacement:
+            setattr(module, patch.name, patch.original)
+
+
 def undo_all() -> None:
     """Restore every patched attribute, newest first, and every module-level name that was bound
     to a replacement by ``from x import f`` after the patch (e.g. ``llamafactory.model.load_model``)."""
-    import sys
-
     global _LOGGED
     while _APPLIED:
-        patch = _APPLIED.pop()
-        if getattr(patch.owner, patch.name, None) is patch.replacement:
-            setattr(patch.owner, patch.name, patch.original)
-        for module in list(sys.modules.values()):
-            if getattr(module, "__dict__", {}).get(patch.name) is patch.replacement:
-                setattr(module, patch.name, patch.original)
+        _restore(_APPLIED.pop())
     _LOGGED = False

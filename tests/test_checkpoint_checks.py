@@ -145,3 +145,39 @@ def test_incompatible_backends(key):
     with pytest.raises(LigerFsdpConfigError) as err:
         refusals.check_parsed(parsed)
     names_key_and_fix(str(err.value), f"{key}: true", f"{key}: false")
+
+
+@pytest.mark.parametrize("version, patched", [("1.11.0", True), ("1.14.0", True), ("1.15.0", False), ("1.16.2", False)])
+def test_repair_only_where_accelerate_loses_adapters(monkeypatch, version, patched):
+    """accelerate >= 1.15 saves FSDP2 adapters as full tensors itself: the repair stays out of its way."""
+    import accelerate
+    import transformers.trainer as trainer_module
+
+    from llamafactory_liger_fsdp import _patch
+    from llamafactory_liger_fsdp.config import LigerFsdpConfig
+    from llamafactory_liger_fsdp.integration import trainer
+
+    monkeypatch.setattr(accelerate, "__version__", version)
+    original = trainer_module.save_fsdp_model
+    try:
+        trainer.patch_checkpointing(LigerFsdpConfig(enabled=True))
+        assert getattr(trainer_module.save_fsdp_model, _patch.MARK, False) is patched
+        assert getattr(trainer_module.load_fsdp_model, _patch.MARK, False) is patched
+    finally:
+        _patch.undo(trainer_module, "save_fsdp_model")
+        _patch.undo(trainer_module, "load_fsdp_model")
+    assert trainer_module.save_fsdp_model is original
+
+
+def test_repair_switch_off(monkeypatch, capsys):
+    import accelerate
+    import transformers.trainer as trainer_module
+
+    from llamafactory_liger_fsdp import _patch
+    from llamafactory_liger_fsdp.config import LigerFsdpConfig
+    from llamafactory_liger_fsdp.integration import trainer
+
+    monkeypatch.setattr(accelerate, "__version__", "1.11.0")
+    trainer.patch_checkpointing(LigerFsdpConfig(enabled=True, checkpoint_repair=False))
+    assert not getattr(trainer_module.save_fsdp_model, _patch.MARK, False)
+    assert "liger_fsdp_checkpoint_repair: false" in capsys.readouterr().err
