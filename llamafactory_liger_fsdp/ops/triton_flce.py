@@ -37,9 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-DEFAULT_MEM_BUDGET = 512 * 1024 * 1024
-FAST_CHUNK_BYTES = 1536 * 1024 * 1024  # fp32 logits + dz of one row chunk in the fast path
+DEFAULT_MEM_BUDGET = 1024 * 1024 * 1024  # lean path (bench/RESULTS.md: 368-737 MiB measured at the issue's shapes)
+# Fast path row chunk: fewer chunks = fewer passes over the fp32 [V, H] dW accumulator (8 V H bytes
+# each); 3072 rows measured faster than a 1.5 GiB chunk at V = 128k and 262k (bench/RESULTS.md).
+FAST_CHUNK_ROWS = 3072
+FAST_CHUNK_MAX_BYTES = 6 * 1024 * 1024 * 1024  # fp32 logits + dz of one chunk, at most
 MIN_TILE = 2048  # smallest backward tile side at real sizes (tests lower it)
+MAX_SLAB = 8192  # widest vocabulary slab of the lean tiles
 FP16_DZ_SCALE = 2.0**15  # |dz| <= 1, so dz * 2^15 <= 32768 < 65504
 
 
@@ -251,7 +255,7 @@ def plan_tiles(n_valid: int, h: int, v: int, *, need_h: bool = True, need_w: boo
     the smallest such tiles are used."""
     min_tile = MIN_TILE if min_tile is None else min_tile
     n_valid = max(n_valid, 1)
-    vmax = min(8192, triton.next_power_of_2(v))
+    vmax = min(MAX_SLAB, triton.next_power_of_2(v))
     slabs = _pow2_down(vmax, min(min_tile, vmax))
     rows = [n_valid] + [x for x in _pow2_down(8192, min_tile) if x < n_valid]
     best = None
@@ -518,7 +522,7 @@ class _FastFLCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, cfg):
-        ignore_index, reduction, softcap, eps, chunk_bytes = cfg
+        ignore_index, reduction, softcap, eps, chunk_rows = cfg
         n, h = hidden.shape
         v = weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -533,7 +537,7 @@ class _FastFLCE(torch.autograd.Function):
         lse = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         loss_rows = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         tgt = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
-        c = max(16, min(max(n_valid, 1), (chunk_bytes // ((4 + hidden.element_size()) * v)) // 16 * 16))
+        c = max(1, min(n_valid, chunk_rows))
         wt = weight.t()
         for s0 in range(0, n_valid, c):
             rows = slice(s0, s0 + c)
@@ -635,8 +639,12 @@ def fused_linear_cross_entropy_triton(
         if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
             loss, lse = _forward_only(hidden, weight, labels, ignore_index, reduction, softcap, eps, lean_tiles)
         elif fast and reduction != "none":
-            chunk_bytes = FAST_CHUNK_BYTES if tiles is None else (4 + hidden.element_size()) * weight.shape[0] * tiles[0]
-            loss, lse = _FastFLCE.apply(hidden, weight, labels, (ignore_index, reduction, softcap, eps, chunk_bytes))
+            if tiles is None:
+                cap = FAST_CHUNK_MAX_BYTES // ((4 + hidden.element_size()) * weight.shape[0])
+                chunk_rows = max(16, min(FAST_CHUNK_ROWS, cap // 16 * 16))
+            else:
+                chunk_rows = tiles[0]
+            loss, lse = _FastFLCE.apply(hidden, weight, labels, (ignore_index, reduction, softcap, eps, chunk_rows))
         else:
             loss, lse = _LeanFLCE.apply(hidden, weight, labels, (ignore_index, reduction, softcap, eps, lean_tiles))
     return (loss, lse) if return_lse else loss
