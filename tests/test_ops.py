@@ -4,8 +4,8 @@ rows, bad labels, shape/dtype errors, autocast. Triton runs under TRITON_INTERPR
 
 import pytest
 import torch
-
 from kernel_ref import OpLog, inputs, reference, rel, run
+
 from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
 
 BACKENDS = ["torch", "triton", "triton_fast"]
@@ -57,7 +57,7 @@ def test_return_lse(backend, softcap):
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     ref = torch.where(y != -100, torch.logsumexp(z, dim=1), 0.0)
-    assert lse.dtype == torch.float32 and lse.shape == (30,) and not lse.requires_grad
+    assert lse.dtype == torch.float32 and lse.shape == (30,) and not lse.requires_grad and loss.shape == (30,)
     assert torch.all(lse[y == -100] == 0) and rel(lse, ref) <= 1e-6
     scalar = fused_linear_cross_entropy(h, w, y, backend=backend)  # default: a scalar, no lse
     assert scalar.dim() == 0

@@ -114,8 +114,8 @@ def fused_linear_cross_entropy(
             f"fused_linear_cross_entropy: hidden is {hidden.dtype} but weight is {weight.dtype} (outside autocast). "
             "Cast one of them, as nn.Linear would require."
         )
-    kw = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=float(label_smoothing), softcap=softcap,
-              return_lse=return_lse)
+    kw = {"ignore_index": ignore_index, "reduction": reduction, "label_smoothing": float(label_smoothing),
+          "softcap": softcap, "return_lse": return_lse}
     if backend == "torch":
         return fused_linear_cross_entropy_torch(hidden, weight, labels, **kw)
     from .triton_flce import fused_linear_cross_entropy_triton
@@ -123,4 +123,4 @@ def fused_linear_cross_entropy(
     return fused_linear_cross_entropy_triton(hidden, weight, labels, fast=backend == "triton_fast", **kw)
 
 
-__all__ = ["fused_linear_cross_entropy", "default_backend", "check_labels", "BACKENDS", "REDUCTIONS"]
+__all__ = ["BACKENDS", "REDUCTIONS", "check_labels", "default_backend", "fused_linear_cross_entropy"]

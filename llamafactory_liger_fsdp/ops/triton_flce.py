@@ -7,10 +7,10 @@ ever multiplied: at 25% ignored labels the ``8 N_v H V`` flops of the lean path 
 * **Lean** (``triton``): forward and backward walk the same tiles -- ``R`` valid rows x a
   vocabulary slab of ``v_s`` head rows. Forward: ``z = h_r @ W_s^T`` in fp32 (bf16 operands,
   fp32 output), :func:`_stats_kernel` folds each tile into running per-row (max, sum exp,
-  target logit, sum of logits); only ``lse [N_v]`` is kept. Backward recomputes each tile with
-  the *same* GEMM (same shapes and operands, so bitwise the same logits as forward: the softmax
-  sums to 1 with large logits too), :func:`_dz_kernel` writes ``dz = softmax - target`` in the
-  input dtype, ``dh_acc += dz @ W_s`` and ``dW_s += dz^T @ h_r`` in fp32. Memory: ``4 N_v H``
+  target logit, sum of logits); only those ``[N_v]`` vectors are kept. Backward recomputes each
+  tile with the *same* GEMM (same shapes and operands, so bitwise the same logits as forward),
+  :func:`_dz_kernel` writes ``dz = softmax - eps/V`` in the input dtype, ``dh_acc += dz @ W_s``
+  and ``dW_s += dz^T @ h_r`` in fp32, and :class:`_Targets` adds the target term. Memory: ``4 N_v H``
   (dh accumulator) + ``6 R v_s`` (fp32 logits + bf16 dz) + ``4 v_s H`` (dW slab) + gathered rows;
   tiles are chosen from ``mem_budget`` by :func:`plan_tiles`.
 * **Fast** (``triton_fast``): gradients computed in forward for chunks of ``c`` rows x all of
@@ -18,13 +18,14 @@ ever multiplied: at 25% ignored labels the ``8 N_v H V`` flops of the lean path 
   them by ``grad_output`` and rounds once. ``reduction="none"`` with gradients uses the lean path
   (per-row ``grad_output`` is not known in forward).
 
-Exactness: ``dz`` is rounded to the input dtype *unscaled* (the target entry ``p_y - 1`` stays
-near-exact; in fp16 it is multiplied by ``2^15`` so small probabilities stay normal), every GEMM
-outputs fp32 (no reduced-precision bf16 reduction), and ``1/n_valid``, ``grad_output`` and the
-fp16 factor are applied in fp32 after the GEMMs; dX and dW are rounded once. With per-row
-``grad_output`` (reduction ``"none"``) that differs between rows, ``dh`` is still scaled after
-its GEMM; for ``dW`` the row factors (divided by a power of two) multiply ``h`` before its one
-rounding.
+Exactness: ``dz`` is rounded to the input dtype *unscaled* and without the target's
+``-(1 - eps)`` (``p_y - 1`` would lose ``p_y`` to the rounding; that term is added in fp32 after
+the GEMMs); in fp16 it is multiplied by ``2^15`` so small probabilities stay normal. Every GEMM
+outputs fp32 (no reduced-precision bf16 reduction); ``1/n_valid``, ``grad_output`` and the fp16
+factor are applied in fp32 after the GEMMs; dX and dW are rounded once. softmax is
+``exp(z - max) / sum`` (a large ``lse`` would add its rounding). With per-row ``grad_output``
+(reduction ``"none"``) that differs between rows, ``dh`` is still scaled after its GEMM; for
+``dW`` the row factors (divided by a power of two) multiply ``h`` before its one rounding.
 
 Deterministic: no atomics; fixed reduction orders.
 """
@@ -37,9 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-DEFAULT_MEM_BUDGET = 1024 * 1024 * 1024  # lean path (bench/RESULTS.md: 368-737 MiB measured at the issue's shapes)
+DEFAULT_MEM_BUDGET = 1024 * 1024 * 1024  # lean path working memory (chosen from bench/RESULTS.md section 1)
 # Fast path row chunk: fewer chunks = fewer passes over the fp32 [V, H] dW accumulator (8 V H bytes
-# each); 3072 rows measured faster than a 1.5 GiB chunk at V = 128k and 262k (bench/RESULTS.md).
+# each); chosen from bench/RESULTS.md section 1.
 FAST_CHUNK_ROWS = 3072
 FAST_CHUNK_MAX_BYTES = 6 * 1024 * 1024 * 1024  # fp32 logits + dz of one chunk, at most
 MIN_TILE = 2048  # smallest backward tile side at real sizes (tests lower it)
@@ -171,7 +172,7 @@ def _rows_axpy_kernel(
     k0 = tl.load(starts_ptr + p, mask=pmask, other=0)
     lens = tl.load(starts_ptr + p + 1, mask=pmask, other=0) - k0
     acc = tl.zeros((BLOCK_R, BLOCK), tl.float32)
-    for j in range(0, tl.max(lens, axis=0)):
+    for j in range(tl.max(lens, axis=0)):
         active = pmask & (j < lens)
         r = tl.load(src_rows_ptr + k0 + j, mask=active, other=0).to(tl.int64)
         c = tl.load(coef_ptr + k0 + j, mask=active, other=0.0)
@@ -372,10 +373,10 @@ class _Targets:
         coef = a if row_w is None else a * row_w
         self.coef_w = coef.index_select(0, perm).contiguous()
 
-    def add_dh(self, dh_acc, weight, rows=slice(None)):
+    def add_dh(self, dh_acc, weight):
         n = dh_acc.shape[0]
         ar = torch.arange(n + 1, device=dh_acc.device)
-        _rows_axpy(dh_acc, ar[:n], weight, self.y[rows], self.a[rows].contiguous(), ar)
+        _rows_axpy(dh_acc, ar[:n], weight, self.y, self.a.contiguous(), ar)
 
     def slab_bounds(self, v, v_s):
         edges = torch.arange(0, v + v_s, v_s, device=self.labels.device)
@@ -446,7 +447,7 @@ def _lean_backward(ctx, grad_loss):
     hidden, weight, idx, y_valid, m, inv_s, tgt = ctx.saved_tensors
     reduction, softcap, eps, v_s, r, all_valid = ctx.cfg
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    n, h = hidden.shape
+    h = hidden.shape[1]
     v = weight.shape[0]
     n_valid = int(idx.numel())
     if grad_loss is None or n_valid == 0 or not (need_h or need_w):
