@@ -45,7 +45,8 @@ def test_fsdp2_two_ranks(assets, tmp_path, fsdp2_plain):
     # the trained copy is its own unit; accelerate >= 1.15 also groups [final norm, lm_head wrapper] into a unit
     # (its "tail"), which the loss then passes through as well
     assert re.search(
-        r"\[liger_fsdp\] engaged: head=modules_to_save \(lm_head\), sharding=FSDP2, backend=torch, model=llama; "
+        r"\[liger_fsdp\] engaged: head=modules_to_save \(lm_head\), sharding=FSDP2, backend=torch, model=llama "
+        r"\(LlamaForCausalLM; quirks: none\), guard=on; "
         r"loss computed through (1 FSDP unit\(s\) \(|2 FSDP unit\(s\) \(lm_head, )lm_head\.modules_to_save\.default\)$",
         engaged[0],
     ), engaged[0]

@@ -4,7 +4,7 @@ rows, bad labels, shape/dtype errors, autocast. Triton runs under TRITON_INTERPR
 
 import pytest
 import torch
-from kernel_ref import OpLog, inputs, reference, rel, run
+from support.kernel import OpLog, inputs, reference, rel, run
 
 from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
 

@@ -12,7 +12,7 @@ dz's target entry."""
 
 import pytest
 import torch
-from kernel_ref import LiveBytes, inputs, plain_torch, reference, rel, run
+from support.kernel import LiveBytes, inputs, plain_torch, reference, rel, run
 
 from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy, triton_flce
 from llamafactory_liger_fsdp.ops.triton_flce import fused_linear_cross_entropy_triton, lean_bytes, plan_tiles
