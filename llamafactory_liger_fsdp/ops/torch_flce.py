@@ -10,8 +10,8 @@ softcap / log-softmax (like transformers' ``ForCausalLMLoss``); the logits gradi
 ``grad_output`` (and ``1/n_valid``), is cast back to the input dtype before the two backward
 matmuls (like autograd through ``logits.float()``). ``dW`` is accumulated over chunks in fp32.
 
-Gradients are *recomputed* in backward (one more ``hidden @ weight.T`` per chunk): keeping
-``dW`` from forward would hold a full ``[V, H]`` fp32 buffer across the whole decoder backward.
+Gradients are *recomputed* in backward (one more ``hidden @ weight.T`` per chunk), so the oracle
+holds nothing but its inputs between forward and backward.
 """
 
 from __future__ import annotations
