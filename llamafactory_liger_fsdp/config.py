@@ -22,6 +22,9 @@ KEYS = {
     "triton = lean (0.2-0.6 GiB, gradients recomputed in backward, slower).",
     "liger_fsdp_memory_report": "true/false (default false): on step 1 (rank 0) log the memory the fused kernel "
     "really used, measured by tracking its tensor allocations; the CUDA peak-memory counters are never reset.",
+    "liger_fsdp_guard": "true/false (default true): on step 1 (every rank) compare the fused loss with the model's own "
+    "forward on a slice of the batch (one row, at most 256 positions) and stop with both numbers if they differ beyond "
+    "rounding.",
     "liger_fsdp_checkpoint_repair": "true/false (default true): under FSDP2 with an adapter, save and load the "
     "adapter as full tensors where the installed accelerate (< 1.15) writes rank 0's shards only.",
 }
@@ -42,6 +45,7 @@ class LigerFsdpConfig:
     backend: str = "auto"
     memory_report: bool = False
     checkpoint_repair: bool = True
+    guard: bool = True
     sharding: Any = None  # sharding.Sharding, set once the training arguments are parsed
 
 
@@ -83,12 +87,13 @@ def from_mapping(values: dict[str, Any]) -> LigerFsdpConfig:
             "Fix: add `liger_fsdp: true`, or remove them."
         )
     bools = {k: _parse_bool(k, values[k]) for k in ("liger_fsdp", "liger_fsdp_memory_report",
-                                                    "liger_fsdp_checkpoint_repair") if k in values}
+                                                    "liger_fsdp_checkpoint_repair", "liger_fsdp_guard") if k in values}
     return LigerFsdpConfig(
         enabled=bools.get("liger_fsdp", False),
         backend=_parse_backend("liger_fsdp_backend", values["liger_fsdp_backend"]) if "liger_fsdp_backend" in values else "auto",
         memory_report=bools.get("liger_fsdp_memory_report", False),
         checkpoint_repair=bools.get("liger_fsdp_checkpoint_repair", True),
+        guard=bools.get("liger_fsdp_guard", True),
     )
 
 

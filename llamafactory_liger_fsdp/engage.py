@@ -40,8 +40,9 @@ def engaged(model: nn.Module) -> Engaged | None:
 
 
 def check_model(causal_lm: nn.Module) -> families.Family:
-    """The family entry; refuses a family or a loss function the fused loss would not reproduce."""
-    family = families.family_of(getattr(causal_lm.config, "model_type", None))
+    """The family entry; refuses a family (or its class, or a config flag it cannot take) or a loss function
+    the fused loss would not reproduce."""
+    family = families.family_of(getattr(causal_lm.config, "model_type", None), causal_lm.config, type(causal_lm).__name__)
     loss_fn = getattr(causal_lm, "loss_function", None)
     if loss_fn is not None and not thirdparty.is_causal_lm_loss(loss_fn):
         raise LigerFsdpConfigError(
@@ -70,7 +71,7 @@ def engage(model: nn.Module, config: LigerFsdpConfig | None = None, *, backend: 
         if not heads.base.is_shared(causal_lm, module.weight):
             wrapping.mark_unit(module)
             marked.append(path)
-    state = ForwardState(on_first_step=lambda: _first_step(causal_lm))
+    state = ForwardState(on_first_step=lambda: _first_step(causal_lm), guard=cfg.guard)
     forward = make_forward(causal_lm, head, family, cfg.backend, state)
     causal_lm.__dict__[ATTR] = Engaged(head, family, cfg, tuple(marked))
     causal_lm.__dict__["forward"] = forward
@@ -124,5 +125,7 @@ def engaged_line(causal_lm: nn.Module, done: Engaged) -> str:
         where = "inside the root unit"
     else:
         where = "on the whole (unpartitioned) head weight"
+    quirks = families.describe(done.family, causal_lm.config, causal_lm)
     return (f"[liger_fsdp] engaged: {done.head.describe()}, sharding={label}, backend={backend}, "
-            f"model={done.family.model_type}; loss computed {where}")
+            f"model={done.family.model_type} ({type(causal_lm).__name__}; quirks: {', '.join(quirks) or 'none'}), "
+            f"guard={'on' if done.config.guard else 'off'}; loss computed {where}")

@@ -2,11 +2,14 @@
 
 Set on the causal LM *instance* by :func:`..engage.engage`. In training with labels it
 
-1. runs the decoder exactly as the original forward does (same arguments, ``**kwargs`` included),
+1. runs the decoder exactly as the original forward does (every bound argument, ``**kwargs`` included:
+   pixel values, grid sizes, masks and position ids of a vision-language model pass untouched),
 2. computes the loss with :func:`..losses.causal_lm_loss` through the head strategy, and
-3. adds the family's extra terms (:mod:`.families`: softcap inside the kernel, MoE router aux loss).
+3. applies the family's quirks as data (:mod:`.families`: softcap, logit scale, loss variant, MoE aux).
 
-In eval, or without labels, the original forward runs untouched (callers may want the logits).
+On the first training step the exactness guard (:mod:`.guard`) compares it with the original forward.
+In eval, or without labels, the original forward runs untouched (callers may want the logits); in
+training without labels that is said once (the Trainer pops them for ``label_smoothing_factor > 0``).
 """
 
 from __future__ import annotations
@@ -18,16 +21,26 @@ from typing import Any, Callable
 from torch import nn
 
 from . import families, losses
+from ._log import info_rank0
 from .families import Family
 from .heads import Head
 
 
 class ForwardState:
-    """Per-model state of the fused forward (what happens on the first training step)."""
+    """Per-model state of the fused forward: what happens on the first training step, the guard, and
+    ``label_smoothing`` (transformers' ``LabelSmoother`` computed by the kernel when set)."""
 
-    def __init__(self, on_first_step: Callable[[], Callable | None] | None = None):
+    def __init__(self, on_first_step: Callable[[], Callable | None] | None = None, guard: bool = True):
         self.steps = 0
         self.on_first_step = on_first_step
+        self.guard = guard
+        self.label_smoothing = 0.0
+        self.said_no_labels = False
+
+
+NO_LABELS = ("[liger_fsdp] training forward without labels: the fused path is bypassed for it and the model computes "
+             "its full logits (the run trains correctly, without the memory saving). The usual cause is "
+             "`label_smoothing_factor > 0`: the Trainer then pops the labels and smooths the logits itself.")
 
 
 def make_forward(causal_lm: nn.Module, head: Head, family: Family, backend: str | None, state: ForwardState):
@@ -36,6 +49,27 @@ def make_forward(causal_lm: nn.Module, head: Head, family: Family, backend: str 
     signature = inspect.signature(original)
     var_kw = next((n for n, p in signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     softcap = families.softcap(family, causal_lm.config)
+    scale = families.logit_scale(family, causal_lm.config, causal_lm)
+    decoder_attr = family.decoder or causal_lm.base_model_prefix
+
+    def fused(params: dict, extra: dict, labels, wrap_kernel=None, window=None):
+        """Decoder, fused loss and the family's terms; ``window`` (rows, K) restricts the loss to the last K
+        positions of those rows (the guard's slice)."""
+        params, extra = dict(params), dict(extra)
+        with_aux = families.aux_on(family, causal_lm.config, params, extra)
+        outputs = getattr(causal_lm, decoder_attr)(**params, **extra)
+        hidden, shift_labels = outputs.last_hidden_state, extra.get("shift_labels")
+        if window is not None:
+            rows, k = window
+            hidden, labels = hidden[rows, -k:], labels[rows, -k:]
+            shift_labels = None if shift_labels is None else shift_labels[rows, -k:]
+        loss = losses.causal_lm_loss(
+            causal_lm, head, hidden, labels, kind=family.loss, shift_labels=shift_labels,
+            num_items_in_batch=extra.get("num_items_in_batch"), ignore_index=extra.get("ignore_index", -100),
+            attention_mask=params.get("attention_mask"), softcap=softcap, scale=scale,
+            label_smoothing=state.label_smoothing, backend=backend, wrap_kernel=wrap_kernel,
+        )
+        return families.build_output(family, causal_lm, loss, outputs, params.get("attention_mask"), with_aux)
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any):
@@ -43,32 +77,23 @@ def make_forward(causal_lm: nn.Module, head: Head, family: Family, backend: str 
         extra = dict(params.pop(var_kw, {}) if var_kw else {})
         labels = params.get("labels")
         if not (causal_lm.training and labels is not None):
+            if causal_lm.training and not state.said_no_labels:
+                state.said_no_labels = True
+                info_rank0(NO_LABELS)
             return original(*args, **kwargs)
         params.pop("labels")
         logits_to_keep = params.pop("logits_to_keep", 0)
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise ValueError("liger_fsdp: `logits_to_keep` must be 0 when training with labels")
-        if family.moe:
-            orl = params.get("output_router_logits")
-            params["output_router_logits"] = causal_lm.config.output_router_logits if orl is None else orl
         wrap_kernel = None
         state.steps += 1
-        if state.steps == 1 and state.on_first_step is not None:
-            wrap_kernel = state.on_first_step()
+        if state.steps == 1:
+            wrap_kernel = state.on_first_step() if state.on_first_step is not None else None
+            if state.guard:
+                from . import guard
 
-        outputs = getattr(causal_lm, causal_lm.base_model_prefix)(**params, **extra)
-        loss = losses.causal_lm_loss(
-            causal_lm,
-            head,
-            outputs.last_hidden_state,
-            labels,
-            shift_labels=extra.get("shift_labels"),
-            num_items_in_batch=extra.get("num_items_in_batch"),
-            ignore_index=extra.get("ignore_index", -100),
-            softcap=softcap,
-            backend=backend,
-            wrap_kernel=wrap_kernel,
-        )
-        return families.build_output(family, causal_lm, loss, outputs, params.get("attention_mask"))
+                guard.check(causal_lm, family, original, signature, fused, params, extra, labels)
+        return fused(params, extra, labels, wrap_kernel)
 
+    forward.liger_fsdp_state = state
     return forward

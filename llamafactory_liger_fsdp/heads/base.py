@@ -37,17 +37,25 @@ class Head(ABC):
         return f"head={self.kind}{' (tied)' if self.tied else ''} ({self.head_path})"
 
 
+def with_bias(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h W^T + b = [h, 1] [W, b]^T``: the bias as one more column, so one kernel call computes it exactly
+    (its gradient is the last column of the weight's)."""
+    if bias is None:
+        return h, w
+    return torch.cat([h, h.new_ones(h.shape[0], 1)], dim=-1), torch.cat([w, bias.to(w.dtype)[:, None]], dim=-1)
+
+
 def is_shared(root: nn.Module, param: torch.Tensor) -> bool:
     return sum(1 for _, p in root.named_parameters(remove_duplicate=False) if p is param) > 1
 
 
-def check_linear(module: nn.Module, what: str) -> None:
+def check_linear(module: nn.Module, what: str, bias_ok: bool = False) -> None:
     if not isinstance(module, nn.Linear) or not module.weight.is_floating_point():
         raise LigerFsdpConfigError(
             f"`liger_fsdp: true`: {what} is {type(module).__name__}, not a floating-point nn.Linear "
             "(quantized heads are not supported). Fix: do not quantize the head, or remove `liger_fsdp`."
         )
-    if module.bias is not None:
+    if module.bias is not None and not bias_ok:
         raise LigerFsdpConfigError(
             f"`liger_fsdp: true`: {what} has a bias, which the fused loss does not add. Fix: remove `liger_fsdp`."
         )

@@ -1,5 +1,6 @@
 """A head whose kernel weight is one plain ``nn.Linear`` weight: PEFT's trained ``modules_to_save`` copy
-(``additional_target: lm_head``) or the head itself under full fine-tuning (tied or not)."""
+(``additional_target: lm_head``) or the head itself under full fine-tuning (tied or not). A bias (phi,
+phimoe ``lm_head_bias``) enters exactly as one more column: ``[h, 1] [W, b]^T``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from .. import gather, thirdparty
-from .base import Head, Kernel, check_linear, is_shared, only_adapter
+from .base import Head, Kernel, check_linear, is_shared, only_adapter, with_bias
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class LinearHead(Head):
 
         def inside(h: torch.Tensor, y: torch.Tensor):
             gather.check_full(module.weight)
-            return kernel(h, module.weight, y)
+            return kernel(*with_bias(h, module.weight, module.bias), y)
 
         return gather.call_through(found, inside, hidden, labels)
 
@@ -40,13 +41,13 @@ def detect(causal_lm: nn.Module, head: nn.Module, head_path: str) -> LinearHead 
             return "the lm_head copy in `additional_target` is disabled (adapters off): the head is frozen"
         adapter = only_adapter(head, "modules_to_save")
         inner = head.modules_to_save[adapter]
-        check_linear(inner, "the trained lm_head copy (modules_to_save)")
+        check_linear(inner, "the trained lm_head copy (modules_to_save)", bias_ok=True)
         if not inner.weight.requires_grad:
             return "the lm_head copy in `additional_target` is frozen"
         path = f"{head_path}.modules_to_save.{adapter}"
         return LinearHead("modules_to_save", head_path, path, is_shared(causal_lm, inner.weight))
     if type(head) is nn.Linear:
-        check_linear(head, "lm_head")
+        check_linear(head, "lm_head", bias_ok=True)
         if not head.weight.requires_grad:
             return "lm_head is frozen (not in `additional_target` or `lora_target`, no full fine-tuning)"
         return LinearHead("full", head_path, head_path, is_shared(causal_lm, head.weight))

@@ -3,7 +3,8 @@
 ``h W^T + s (A drop(h))^T B^T = [h, s A drop(h)] [W, B]^T``: one kernel call on the concatenation, run
 through the units of the base layer and of lora_B; ``A drop(h)`` is computed by calling lora_A as a
 module (through its own unit, if it is one), so lora_A and lora_B get exact gradients. Cost: a
-``[V, H + r]`` copy of the concatenated weight while the kernel runs.
+``[V, H + r]`` copy of the concatenated weight while the kernel runs. A bias of the base layer is one
+more column (``[h, s A drop(h), 1] [W, B, b]^T``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 
 from .. import gather, thirdparty
 from ..config import LigerFsdpConfigError
-from .base import Head, Kernel, check_linear, is_shared, only_adapter
+from .base import Head, Kernel, check_linear, is_shared, only_adapter, with_bias
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class LoraHead(Head):
             dtype = torch.promote_types(torch.promote_types(h.dtype, u_in.dtype), torch.promote_types(w.dtype, b.dtype))
             hcat = torch.cat([h.to(dtype), u_in.to(dtype)], dim=-1)
             wcat = torch.cat([w.to(dtype), b.to(dtype)], dim=-1)
-            return kernel(hcat, wcat, y)
+            return kernel(*with_bias(hcat, wcat, base.bias), y)
 
         return gather.call_through(found, inside, hidden, u, labels)
 
@@ -72,7 +73,7 @@ def detect(causal_lm: nn.Module, head: nn.Module, head_path: str) -> LoraHead | 
             f"`liger_fsdp: true` supports plain LoRA on lm_head; this head uses {', '.join(problems)}. "
             "Fix: use plain LoRA on lm_head (or put lm_head in `additional_target`), or remove `liger_fsdp`."
         )
-    check_linear(head.base_layer, "the LoRA head's base layer")
+    check_linear(head.base_layer, "the LoRA head's base layer", bias_ok=True)
     check_linear(head.lora_B[adapter], "the LoRA head's lora_B")
     if not (head.lora_A[adapter].weight.requires_grad or head.lora_B[adapter].weight.requires_grad):
         return "the LoRA weights on lm_head are frozen"

@@ -1,11 +1,17 @@
-"""Tiny random models of every supported family, built from a config (nothing downloaded), PEFT set-ups
-and batches: what the tests, the 2-process workers and the benchmarks compare against."""
+"""Tiny random models of every family, built from a config (nothing downloaded), PEFT set-ups and
+batches: what the tests, the 2-process workers and the benchmarks compare against.
+
+``FAMILY_CONFIGS`` is the core set (text models, the shared parity tests); ``ALL`` names every tiny model
+(:mod:`.configs`: every text and vision-language family); :func:`make_inputs` gives a batch for any of them.
+"""
 
 from __future__ import annotations
 
 import copy
 
 import torch
+
+from .configs import TEXT, TEXT_BASE, VLM
 
 VOCAB = 384
 HIDDEN = 64
@@ -40,6 +46,7 @@ FAMILY_CONFIGS = {
         output_router_logits=True, router_aux_loss_coef=0.05, decoder_sparse_step=1, mlp_only_layers=[],
     ),
 }
+ALL = sorted(set(FAMILY_CONFIGS) | set(TEXT) | set(VLM))
 
 
 def model_type_of(name: str) -> str:
@@ -49,42 +56,59 @@ def model_type_of(name: str) -> str:
 def make_config(name: str):
     from transformers import AutoConfig
 
-    cfg = dict(_COMMON)
-    cfg.update(FAMILY_CONFIGS[name])
-    config = AutoConfig.for_model(model_type_of(name), **cfg)
+    if name in VLM:
+        config = VLM[name](name, 0)[0]
+    else:
+        cfg = dict(_COMMON)
+        cfg.update(FAMILY_CONFIGS[name] if name in FAMILY_CONFIGS else dict(TEXT_BASE, **TEXT[name]))
+        config = AutoConfig.for_model(model_type_of(name), **cfg)
     config._attn_implementation = "eager"
     return config
 
 
 def make_model(name: str, seed: int = 0, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(name), torch_dtype=dtype)
-    # larger-than-default head init so the loss has real curvature at V=384
+    auto = AutoModelForImageTextToText if name in VLM else AutoModelForCausalLM
+    model = auto.from_config(make_config(name), torch_dtype=dtype)
+    # larger-than-default init so the loss has real curvature at V=384
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
+            elif p.dim() == 1 and model.get_output_embeddings().bias is p:
+                p.normal_(0.0, 0.5)  # a head bias that matters
     model.tie_weights()
     return model
 
 
-LINEAR_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+def make_inputs(name: str, seed: int = 0) -> dict:
+    """A training batch (labels included) for any tiny model: images for the vision-language ones."""
+    return VLM[name](name, seed)[1] if name in VLM else make_batch(seed=seed)
+
+
+LINEAR_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "query_key_value"]
+
+
+def _leaf_name(model, module) -> str:
+    return next(n for n, m in model.named_modules() if m is module).rsplit(".", 1)[-1]
 
 
 def make_peft(model, head: str, dropout: float = 0.0, seed: int = 1):
-    """head: 'mts' (modules_to_save lm_head+embed_tokens), 'lora' (LoRA on lm_head), 'full' (no PEFT)."""
+    """head: 'mts' (modules_to_save head + input embeddings), 'lora' (LoRA on the head), 'full' (no PEFT)."""
     if head == "full":
         return model
     from peft import LoraConfig, get_peft_model
 
-    targets = [t for t in LINEAR_TARGETS if any(n.endswith(t) for n, _ in model.named_modules())]
+    targets = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n.rsplit(".", 1)[-1] in LINEAR_TARGETS]
+    head_name = _leaf_name(model, model.get_output_embeddings())
     kwargs = dict(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False)
     if head == "mts":
-        cfg = LoraConfig(target_modules=targets, modules_to_save=["lm_head", "embed_tokens"], **kwargs)
+        embed = _leaf_name(model, model.get_input_embeddings())
+        cfg = LoraConfig(target_modules=targets, modules_to_save=[head_name, embed], **kwargs)
     elif head == "lora":
-        cfg = LoraConfig(target_modules=targets + ["lm_head"], **kwargs)
+        cfg = LoraConfig(target_modules=targets + [head_name], **kwargs)
     else:
         raise ValueError(head)
     torch.manual_seed(seed)
