@@ -1,0 +1,120 @@
+"""The step-1 exactness guard: passes on every family (fp32 and bf16), catches a planted wrong quirk with both
+numbers and the key, runs once, keeps the real step's RNG, and `liger_fsdp_guard: false` turns it off.
+(Every family of test_families.py also asserts the guard's "exact" line.)"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from llamafactory_liger_fsdp import config as cfg_mod
+from llamafactory_liger_fsdp import families, guard
+from llamafactory_liger_fsdp.config import LigerFsdpConfig, LigerFsdpConfigError
+from llamafactory_liger_fsdp.engage import engage
+from llamafactory_liger_fsdp.testing import FAMILY_CONFIGS, make_batch, make_inputs, twin
+from support import names_key_and_fix
+
+EXACT = "[liger_fsdp] guard: step 1 exact: model's own loss"
+
+
+def _loud(model, factor=10.0):
+    """Logits ~10x larger than the random init gives, so a softcap really bends them (|z| >> cap)."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(factor)
+    return model
+
+
+def _plant(monkeypatch, name, **wrong):
+    monkeypatch.setitem(families.FAMILIES, name, dataclasses.replace(families.FAMILIES[name], **wrong))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_passes_on_core_families(family, capsys):
+    _, cand = twin(family, "mts")
+    engage(cand, backend="torch")
+    cand(**make_batch())
+    assert EXACT in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "cohere", "granite", "qwen2_vl", "gemma3", "mixtral"])
+def test_passes_in_bf16_with_large_logits(name, capsys):
+    _, cand = twin(name, "full")
+    _loud(cand, 4.0).to(torch.bfloat16)
+    engage(cand, backend="torch")
+    cand(**make_inputs(name))
+    err = capsys.readouterr().err
+    assert EXACT in err and "for bfloat16" in err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,wrong", [("granite", dict(scale=None)), ("cohere", dict(scale=None)),
+                                        ("gemma2", dict(softcap=None)), ("gemma3", dict(loss="mean"))])
+def test_catches_a_planted_quirk(name, wrong, dtype, monkeypatch):
+    _plant(monkeypatch, name, **wrong)
+    _, cand = twin(name, "mts")
+    _loud(cand.base_model.model).to(dtype)
+    engage(cand, backend="torch")
+    with pytest.raises(LigerFsdpConfigError) as exc:
+        cand(**make_inputs(name))
+    msg = str(exc.value)
+    assert f"model type `{name}`" in msg
+    if name != "gemma3":  # Gemma 3's own masked mean cannot even run on a one-row slice: said as such
+        assert "model's own loss" in msg and "fused loss" in msg
+    names_key_and_fix(msg, "liger_fsdp_guard", "remove `liger_fsdp`")
+
+
+def test_off_by_key(monkeypatch, capsys):
+    assert cfg_mod.from_mapping({"liger_fsdp": True}).guard is True
+    assert cfg_mod.from_mapping({"liger_fsdp": True, "liger_fsdp_guard": "false"}).guard is False
+    _plant(monkeypatch, "granite", scale=None)
+    _, cand = twin("granite", "full")
+    engage(cand, LigerFsdpConfig(enabled=True, backend="torch", guard=False))
+    cand(**make_batch())  # wrong, and not checked
+    err = capsys.readouterr().err
+    assert "guard=off" in err and "guard:" not in err
+
+
+def test_once_and_the_real_step_keeps_its_rng(capsys):
+    """LoRA dropout: the guard draws its masks from a copy of the RNG state; the real steps equal the
+    reference's, drawn from the same seeds."""
+    ref, cand = twin("qwen2", "lora", dropout=0.3)
+    engage(cand, backend="torch")
+    for step in range(2):
+        torch.manual_seed(step)
+        lr = ref(**make_batch(seed=step)).loss
+        torch.manual_seed(step)
+        lc = cand(**make_batch(seed=step)).loss
+        assert abs(lr.item() - lc.item()) <= 1e-5 * lr.item()
+    assert capsys.readouterr().err.count(EXACT) == 1
+
+
+def test_slice_is_one_row_of_at_most_budget_positions(monkeypatch, capsys):
+    seen = []
+    original = guard._original_loss
+
+    def spy(causal_lm, original_fwd, signature, params, extra, labels, rows, k):
+        seen.append((tuple(params["input_ids"].shape), rows, k))
+        return original(causal_lm, original_fwd, signature, params, extra, labels, rows, k)
+
+    monkeypatch.setattr(guard, "_original_loss", spy)
+    _, cand = twin("llama", "mts")
+    engage(cand, backend="torch")
+    batch = make_batch(batch=3, seq=300)
+    batch["labels"][0, -200:] = -100  # row 0 has fewer labels in the window than rows 1, 2
+    cand(**batch)
+    assert seen == [((1, 300), slice(0, 1), guard.BUDGET)]  # text only: the decoder runs on the one row
+    assert EXACT in capsys.readouterr().err
+
+
+def test_no_label_in_the_slice_is_not_a_failure(capsys):
+    _, cand = twin("llama", "mts")
+    engage(cand, backend="torch")
+    batch = make_batch()
+    batch["labels"][:] = -100
+    cand(**batch)
+    assert "guard: step 1 not checked: no labelled position" in capsys.readouterr().err
+
+
+def test_bounds_stated():
+    assert guard.bounds(torch.float32) == (1e-4, 1e-6)
+    assert guard.bounds(torch.bfloat16) == guard.bounds(torch.float16) == (2e-2, 2e-3)
