@@ -34,7 +34,10 @@ def _flag(value: Any) -> bool:
 
 
 def check(get: Callable[[str, Any], Any], sharding: Any = None) -> None:
-    """Raise :class:`LigerFsdpConfigError` for the first setting that cannot work with the flag on."""
+    """Raise :class:`LigerFsdpConfigError` for the first setting that cannot work with the flag on.
+
+    ``sharding`` (the decided :class:`.sharding.Sharding`) is there for rules that depend on it; every sharding
+    the plugin knows (none, DDP, FSDP1/2, DeepSpeed ZeRO-0..3) is supported today."""
     stage = str(get("stage", "sft"))
     if stage not in SUPPORTED_STAGES:
         why = _STAGE_WHY.get(stage, "its loss is not the plain causal-LM loss")
@@ -54,12 +57,6 @@ def check(get: Callable[[str, Any], Any], sharding: Any = None) -> None:
                 f"`liger_fsdp: true` does not work with `{key}: true`: {why}. Fix: set `{key}: false` or remove "
                 "`liger_fsdp`."
             )
-    if sharding is not None and sharding.kind == "deepspeed" and sharding.zero_stage == 3:
-        raise LigerFsdpConfigError(
-            f"`liger_fsdp: true` does not support DeepSpeed ZeRO-3 yet ({sharding.source}, `zero_optimization.stage: "
-            "3`). Fix: use FSDP (`fsdp: full_shard auto_wrap` or an accelerate FSDP config), or ZeRO-2, or remove "
-            "`liger_fsdp`."
-        )
 
 
 def _argv_to_dict(argv: list) -> dict[str, Any]:

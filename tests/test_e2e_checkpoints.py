@@ -8,16 +8,13 @@ without the plugin.
 Every comparison is fp32 and relative: per-step losses rel <= 1e-5, logits ||a-b|| / ||b|| <= 1e-5.
 """
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from support.cli import FSDP2, base_yaml, build, run_cli, step_losses
+from support.cli import FSDP2, base_yaml, build, export_logits, peft_logits, rel_norm, run_cli, step_losses
 
 pytestmark = pytest.mark.slow
 
@@ -53,10 +50,6 @@ def reference(assets, tmp_path_factory):
     return out, losses, torch.load(logits)
 
 
-def _rel(a, b):
-    return (a - b).norm().item() / b.norm().item()
-
-
 def _assert_curve(losses, ref, steps):
     assert sorted(losses) == list(steps), losses
     worst = max(abs(losses[s] - ref[s]) / abs(ref[s]) for s in steps)
@@ -83,23 +76,13 @@ def test_resume_equals_uninterrupted(assets, reference, tmp_path):
 
     a, b = load_file(out / "adapter_model.safetensors"), load_file(ref_out / "adapter_model.safetensors")
     assert a.keys() == b.keys()
-    assert max(_rel(a[k], b[k]) for k in a) <= TOL
-
-
-def _plain_peft_logits(assets, adapter_dir, ids):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
-    with torch.no_grad():
-        return model(input_ids=ids).logits.float()
+    assert max(rel_norm(a[k], b[k]) for k in a) <= TOL
 
 
 def test_adapter_in_plain_peft_gives_trained_logits(assets, reference):
     out, _, dumped = reference
-    logits = _plain_peft_logits(assets, out, dumped["input_ids"])
-    rel = _rel(logits, dumped["logits"])
+    logits = peft_logits(assets, out, dumped["input_ids"])
+    rel = rel_norm(logits, dumped["logits"])
     print("plain PEFT vs sharded logits rel", rel)
     assert rel <= TOL
     # the trained head really moved: logits differ from the base model's
@@ -107,36 +90,12 @@ def test_adapter_in_plain_peft_gives_trained_logits(assets, reference):
 
     with torch.no_grad():
         base = AutoModelForCausalLM.from_pretrained(str(assets / "model")).eval()(input_ids=dumped["input_ids"]).logits
-    assert _rel(base, dumped["logits"]) > 1e-3
-
-
-def _export_logits(assets, out, tmp_path, ids):
-    """`llamafactory-cli export` (merge) of the adapter in ``out``; logits of the merged model."""
-    import yaml
-    from transformers import AutoModelForCausalLM
-
-    export_dir = tmp_path / "merged"
-    cfg = dict(
-        model_name_or_path=str(assets / "model"), adapter_name_or_path=str(out), template="llama3",
-        finetuning_type="lora", export_dir=str(export_dir), export_device="cpu", export_size=1,
-    )
-    path = tmp_path / "export.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    bindir = Path(sys.executable).parent
-    proc = subprocess.run(
-        [str(bindir / "llamafactory-cli"), "export", str(path)], capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    merged = AutoModelForCausalLM.from_pretrained(str(export_dir), dtype=torch.float32).eval()
-    assert not any("lora" in k for k in merged.state_dict())
-    with torch.no_grad():
-        return merged(input_ids=ids).logits.float()
+    assert rel_norm(base, dumped["logits"]) > 1e-3
 
 
 def test_export_merged_gives_trained_logits(assets, reference, tmp_path):
     out, _, dumped = reference
-    rel = _rel(_export_logits(assets, out, tmp_path, dumped["input_ids"]), dumped["logits"])
+    rel = rel_norm(export_logits(assets, out, tmp_path, dumped["input_ids"]), dumped["logits"])
     print("merged export vs sharded logits rel", rel)
     assert rel <= TOL
 
@@ -260,7 +219,7 @@ def test_tied_embeddings_survive(tmp_path_factory, tmp_path):
     assert rc == 0, log[-6000:]
     print("tied resume rel diff", _assert_curve(step_losses(out), ref, range(3, 5)))
 
-    rel_peft = _rel(_plain_peft_logits(assets, ref_out, dumped["input_ids"]), dumped["logits"])
-    rel_merged = _rel(_export_logits(assets, ref_out, tmp_path, dumped["input_ids"]), dumped["logits"])
+    rel_peft = rel_norm(peft_logits(assets, ref_out, dumped["input_ids"]), dumped["logits"])
+    rel_merged = rel_norm(export_logits(assets, ref_out, tmp_path, dumped["input_ids"]), dumped["logits"])
     print("tied plain PEFT / merged vs sharded logits rel", rel_peft, rel_merged)
     assert rel_peft <= TOL and rel_merged <= TOL

@@ -2,7 +2,6 @@
 loss stays exact (Liger's class-level forward is what LLaMA-Factory installs)."""
 
 import pytest
-import torch
 
 liger = pytest.importorskip("liger_kernel")
 

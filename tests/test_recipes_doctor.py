@@ -3,7 +3,6 @@
 recipe on this GPU-less machine."""
 
 import glob
-import json
 import os
 import subprocess
 import sys

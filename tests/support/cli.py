@@ -22,6 +22,7 @@ SHIM = ROOT / "tests" / "cpu_fsdp_shim"
 
 
 def base_yaml(assets: Path, out: Path, **overrides) -> dict:
+    """The tiny run's yaml; an override of None removes the key."""
     cfg = dict(
         model_name_or_path=str(assets / "model"),
         stage="sft",
@@ -49,7 +50,28 @@ def base_yaml(assets: Path, out: Path, **overrides) -> dict:
         use_cpu=True,
     )
     cfg.update(overrides)
-    return cfg
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def deepspeed(out_dir: Path, stage: int, offload: str = "none") -> dict:
+    """Yaml keys for DeepSpeed ZeRO-``stage`` on CPU ranks: a json like LLaMA-Factory's examples/deepspeed ones.
+    DeepSpeed picks gloo and its CPU accelerator by itself; ``use_cpu`` must be off (with it DeepSpeed counts
+    world size 1 and fails its batch-size check)."""
+    import json
+
+    zero = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True}
+    if stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=True)
+    for what in ("param", "optimizer"):
+        if offload in (what, "both"):
+            zero[f"offload_{what}"] = {"device": "cpu"}
+    config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto", "zero_allow_untested_optimizer": True, "bf16": {"enabled": "auto"},
+              "fp16": {"enabled": "auto"}, "zero_optimization": zero}
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    path = Path(out_dir) / f"ds_z{stage}_{offload}.json"
+    path.write_text(json.dumps(config))
+    return dict(deepspeed=str(path), use_cpu=None)
 
 
 FSDP2 = dict(fsdp="full_shard auto_wrap", fsdp_config=dict(version=2, transformer_layer_cls_to_wrap="LlamaDecoderLayer"))
@@ -63,7 +85,6 @@ def run_cli(cfg: dict, nproc: int | None = None, fsdp1: bool = False, timeout: i
             module_train: bool = False):
     """`llamafactory-cli train cfg.yaml` (or `python -m llamafactory_liger_fsdp train cfg.yaml` with
     ``module_train``); returns (returncode, log text, per-step losses)."""
-    import json
 
     import yaml
 
@@ -76,6 +97,8 @@ def run_cli(cfg: dict, nproc: int | None = None, fsdp1: bool = False, timeout: i
     env.pop("ALLOW_EXTRA_ARGS", None)
     if nproc:
         env.update(FORCE_TORCHRUN="1", NPROC_PER_NODE=str(nproc), FSDP_STATE_DICT_TYPE="FULL_STATE_DICT")
+        if cfg.get("deepspeed"):
+            env["CUDA_VISIBLE_DEVICES"] = ""
         env["PYTHONPATH"] = str(SHIM) + os.pathsep + env.get("PYTHONPATH", "")
         if fsdp1:
             env["CPU_FSDP_SHIM_SKIP_SAVE"] = "1"
@@ -105,3 +128,45 @@ def step_losses(out: Path) -> dict[int, float]:
             if "loss" in rec:
                 losses[int(rec["current_steps"])] = float(rec["loss"])
     return losses
+
+
+def rel_norm(a, b):
+    """||a - b|| / ||b||."""
+    return (a - b).norm().item() / b.norm().item()
+
+
+def peft_logits(assets, adapter_dir, ids):
+    """Logits of the base model + the adapter in ``adapter_dir``, loaded with plain PEFT (no plugin)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def export_logits(assets, out, tmp_path, ids):
+    """`llamafactory-cli export` (merge) of the adapter in ``out``; logits of the merged model."""
+    import torch
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    export_dir = tmp_path / "merged"
+    cfg = dict(
+        model_name_or_path=str(assets / "model"), adapter_name_or_path=str(out), template="llama3",
+        finetuning_type="lora", export_dir=str(export_dir), export_device="cpu", export_size=1,
+    )
+    path = tmp_path / "export.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    bindir = Path(sys.executable).parent
+    proc = subprocess.run(
+        [str(bindir / "llamafactory-cli"), "export", str(path)], capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    merged = AutoModelForCausalLM.from_pretrained(str(export_dir), dtype=torch.float32).eval()
+    assert not any("lora" in k for k in merged.state_dict())
+    with torch.no_grad():
+        return merged(input_ids=ids).logits.float()

@@ -1,0 +1,147 @@
+"""2-process DeepSpeed ZeRO parity worker (gloo, CPU), like tests/fsdp_worker.py.
+
+Each rank builds the same tiny model, keeps an unsharded, unfused copy as the reference, engages the plugin
+on the other copy and hands it to ``deepspeed.initialize`` (ZeRO stage 0-3, SGD, the default
+``stage3_param_persistence_threshold`` unless the case asks for 0, optional CPU offload). The reference replays
+both ranks' batches in one process (mean of the per-rank losses, as DeepSpeed averages gradients). Per case:
+loss and every trainable gradient after step 1 (``safe_get_full_grad``), every parameter after the last step
+(``safe_get_full_fp32_param``), and proof of partitioning (the head weight is an empty placeholder outside the
+forward under ZeRO-3, whole under ZeRO-0/1/2).
+
+Run: python tests/ds_worker.py OUT.json CASE [CASE ...]   (CASE: family:head:stage[:offload], e.g. llama:mts:3:param)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import sys
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+STEPS = 3
+LR = 0.05
+MICRO = 2
+
+
+def _config(stage: int, offload: str) -> dict:
+    zero: dict = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0  # the tiny head must be partitioned, as a real one is
+    if offload in ("param", "both"):
+        zero["offload_param"] = {"device": "cpu"}
+    if offload in ("optimizer", "both"):
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "train_batch_size": MICRO * 2,
+        "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False, "gradient_clipping": 0.0,
+        "zero_optimization": zero, "steps_per_print": 10**9,
+    }
+
+
+def _proof(causal_lm, done) -> dict:
+    from llamafactory_liger_fsdp import gather
+
+    weights = {p: gather.module_at(causal_lm, p).weight for p in done.head.weight_paths}
+    return {
+        "head_numel_outside_forward": {p: int(w.numel()) for p, w in weights.items()},
+        "head_full_numel": {p: int(getattr(w, "ds_numel", w.numel())) for p, w in weights.items()},
+        "ds_status": {p: str(getattr(w, "ds_status", "n/a")).split(".")[-1] for p, w in weights.items()},
+        "units": len({id(u) for p in done.head.weight_paths for u in gather.units(causal_lm, p)}),
+    }
+
+
+def run_case(case: str, rank: int, world: int) -> dict:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    from llamafactory_liger_fsdp.engage import causal_lm_of, engage, engaged_line
+    from llamafactory_liger_fsdp.testing import make_batch, make_model, make_peft, rel
+
+    family, kind, stage, *rest = case.split(":")
+    stage, offload = int(stage), (rest[0] if rest else "none")
+    ref = make_peft(make_model(family, seed=0), kind)
+    cand = copy.deepcopy(ref)
+    ref.train(), cand.train()
+    done = engage(cand, backend="torch")
+    assert done is not None, "plugin did not engage"
+    trainable = [(n, p) for n, p in cand.named_parameters() if p.requires_grad]
+    opt_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    engine, *_ = deepspeed.initialize(model=cand, optimizer=torch.optim.SGD([p for _, p in trainable], lr=LR),
+                                      config=_config(stage, offload), model_parameters=[p for _, p in trainable])
+    causal_lm = causal_lm_of(cand)
+    result = {"case": case, "kind": done.head.kind, "proof": _proof(causal_lm, done)}
+    for step in range(STEPS):
+        batches = [make_batch(batch=MICRO, seed=100 * step + r) for r in range(world)]
+        ref_losses = []
+        for b in batches:
+            loss_r = ref(**b).loss / world
+            loss_r.backward()
+            ref_losses.append(float(loss_r) * world)
+        loss = engine(**batches[rank]).loss
+        engine.backward(loss)
+        if step == 0:
+            result["engaged"] = engaged_line(causal_lm, done)
+            result["loss_rel"] = abs(float(loss) - ref_losses[rank]) / abs(ref_losses[rank])
+            ref_named = dict(ref.named_parameters())
+            grads = {n: safe_get_full_grad(p) for n, p in trainable}
+            result["grad_rels"] = {n: (rel(g, ref_named[n].grad) if g is not None else float("inf")) for n, g in grads.items()}
+        engine.step()
+        opt_ref.step()
+        opt_ref.zero_grad()
+    ref_named = dict(ref.named_parameters())
+    after = {}
+    for n, p in trainable:
+        full = safe_get_full_fp32_param(p)
+        after[n] = (p if full is None else full).detach().clone()
+    result["param_rels_after"] = max(rel(after[n], ref_named[n]) for n, _ in trainable)
+    init = dict(make_peft(make_model(family, seed=0), kind).named_parameters())
+    result["moved"] = rel(torch.cat([after[n].flatten() for n, _ in trainable]),
+                          torch.cat([init[n].detach().flatten() for n, _ in trainable]))
+    engine.destroy()
+    return result
+
+
+def _worker(rank: int, world: int, port: int, cases: list[str], out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+    torch.set_num_threads(1)
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = []
+    try:
+        for case in cases:
+            try:
+                results.append(run_case(case, rank, world))
+            except Exception:
+                results.append({"case": case, "error": traceback.format_exc()})
+        gathered = [None] * world
+        dist.all_gather_object(gathered, results)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(gathered, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip C++ static destructors (gloo teardown race; see fsdp_worker)
+
+
+def run(cases: list[str], out: str, world: int = 2) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(world, port, cases, out), nprocs=world, start_method="spawn")
+
+
+if __name__ == "__main__":
+    run(sys.argv[2:], sys.argv[1])
