@@ -83,18 +83,25 @@ def check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, lis
     if not cfg.enabled:
         why = f"disabled by {config.DISABLE_ENV}" if config.disabled_by_env() else "`liger_fsdp` is not true in this yaml"
         return True, lines + [f"plugin off ({why}): the run trains without it."]
-    lines.append(f"liger_fsdp: on (backend {cfg.backend}); stage {finetuning_args.stage}.")
+    lines.append(f"liger_fsdp: on (backend {cfg.backend}); stage {finetuning_args.stage}; step-1 exactness guard "
+                 f"{'on' if cfg.guard else 'off (`liger_fsdp_guard: false`)'}.")
     lines.append(f"sharding: {cfg.sharding.label} (from {cfg.sharding.source}).")
     decision = predict.decide(model_args, finetuning_args)
     if decision.family:
         quirks = f" (quirks: {', '.join(decision.quirks)})" if decision.quirks else ""
         lines.append(f"model type {decision.family}{quirks}.")
+        if decision.model_class:
+            lines.append(f"model class {decision.model_class} (the class LLaMA-Factory builds for it).")
     if decision.error:
         return False, lines + [f"error: {decision.error}"]
     if decision.note:
         lines.append(decision.note + ".")
     if decision.not_engaged:
         return True, lines + [f"not engaged: {decision.not_engaged}; the plain loss has nothing to fix (the run trains)."]
+    if getattr(training_args, "label_smoothing_factor", 0):
+        lines.append(f"label_smoothing_factor {training_args.label_smoothing_factor}: the Trainer pops the labels and "
+                     "smooths the full logits itself, so the fused path is bypassed (the run trains correctly, without "
+                     "the memory saving).")
     if decision.head:
         lines.append(f"will engage: {decision.head} (decided on the meta-device model LLaMA-Factory would build).")
     if cfg.sharding.fsdp_version:

@@ -28,7 +28,9 @@ from .heads import Head
 
 class ForwardState:
     """Per-model state of the fused forward: what happens on the first training step, the guard, and
-    ``label_smoothing`` (transformers' ``LabelSmoother`` computed by the kernel when set)."""
+    ``label_smoothing``: when set (> 0), the loss is transformers' ``LabelSmoother(eps)(outputs, labels,
+    shift_labels=True)`` computed by the kernel -- for a caller that passes the labels instead of letting the
+    Trainer pop them (the Trainer's own smoother is then off)."""
 
     def __init__(self, on_first_step: Callable[[], Callable | None] | None = None, guard: bool = True):
         self.steps = 0
@@ -67,7 +69,8 @@ def make_forward(causal_lm: nn.Module, head: Head, family: Family, backend: str 
             causal_lm, head, hidden, labels, kind=family.loss, shift_labels=shift_labels,
             num_items_in_batch=extra.get("num_items_in_batch"), ignore_index=extra.get("ignore_index", -100),
             attention_mask=params.get("attention_mask"), softcap=softcap, scale=scale,
-            label_smoothing=state.label_smoothing, backend=backend, wrap_kernel=wrap_kernel,
+            label_smoothing=state.label_smoothing if window is None else 0.0,  # the model's own loss never smooths
+            backend=backend, wrap_kernel=wrap_kernel,
         )
         return families.build_output(family, causal_lm, loss, outputs, params.get("attention_mask"), with_aux)
 

@@ -2,8 +2,8 @@
 
 :func:`decide` reads the model's config, builds the model on the ``meta`` device, lets LLaMA-Factory's
 own ``init_adapter`` turn it into the PEFT model training would build, and runs the training-time
-checks on it (family, loss function, head kind: :func:`..engage.engage` minus the forward). A 70B model
-costs nothing on ``meta``; no GPU is needed.
+checks on it (family and its class, quirks, loss function, head kind: :func:`..engage.engage` minus the
+forward). A 70B model costs nothing on ``meta``; no GPU is needed.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from .config import LigerFsdpConfigError
 @dataclass
 class Decision:
     family: str | None = None
+    model_class: str | None = None  # the class LLaMA-Factory builds for it
     quirks: list[str] = field(default_factory=list)
     head: str | None = None  # head.describe(), when it will engage
     not_engaged: str | None = None  # why the plain loss has nothing to fix
@@ -24,28 +25,18 @@ class Decision:
     note: str | None = None  # what could not be evaluated here
 
 
-def _quirks(family: Any, model_config: Any) -> list[str]:
-    from . import families
-
-    quirks = []
-    cap = families.softcap(family, model_config)
-    if cap:
-        quirks.append(f"final-logit softcap {cap:g}")
-    if family.moe:
-        quirks.append("MoE router aux loss")
-    return quirks
-
-
 def build_meta_model(model_args: Any, finetuning_args: Any):
     """The (PEFT) causal LM of this yaml on the meta device, as LLaMA-Factory's loader would set it up."""
     import torch
     from llamafactory.model.adapter import init_adapter
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     trust = bool(getattr(model_args, "trust_remote_code", False))
     model_config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust)
+    # LLaMA-Factory's loader: image-text models through AutoModelForImageTextToText, the rest as causal LMs
+    auto = AutoModelForImageTextToText if type(model_config) in AutoModelForImageTextToText._model_mapping else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust)
+        model = auto.from_config(model_config, trust_remote_code=trust)
     return model_config, init_adapter(model_config, model, model_args, finetuning_args, is_trainable=True)
 
 
@@ -64,10 +55,11 @@ def decide(model_args: Any, finetuning_args: Any) -> Decision:
         return out
     out.family = getattr(model_config, "model_type", None)
     try:
-        family = families.family_of(out.family)
-        out.quirks = _quirks(family, model_config)
+        family = families.family_of(out.family, model_config)
+        out.quirks = families.describe(family, model_config)
         _, model = build_meta_model(model_args, finetuning_args)
         causal_lm = causal_lm_of(model)
+        out.model_class = type(causal_lm).__name__
         check_model(causal_lm)
         head = heads.detect(causal_lm)
     except LigerFsdpConfigError as exc:

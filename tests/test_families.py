@@ -132,3 +132,28 @@ def test_issue_list_is_covered():
     assert not [t for t in wanted if t not in families.FAMILIES]
     assert all(t in ALL for t in wanted), [t for t in wanted if t not in ALL and t != "qwen2"]
     assert set(VLM) <= set(families.FAMILIES)
+
+
+def test_doctor_names_family_class_quirks_guard_and_label_smoothing(tmp_path):
+    """`doctor` on a vision-language yaml and a scaled-logits one: the class LLaMA-Factory builds, the quirks,
+    the guard, and that label smoothing bypasses the fused path."""
+    import yaml
+
+    from llamafactory_liger_fsdp import doctor
+    from llamafactory_liger_fsdp.testing import make_config
+
+    def run(name, **extra):
+        make_config(name).save_pretrained(tmp_path / name)
+        y = dict(model_name_or_path=str(tmp_path / name), stage="sft", do_train=True, finetuning_type="lora",
+                 lora_target="all", additional_target="embed_tokens,lm_head", dataset="x", dataset_dir=str(tmp_path),
+                 template="qwen2_vl", output_dir=str(tmp_path / "out"), use_cpu=True, liger_fsdp=True, **extra)
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(y))
+        ok, lines = doctor.check_yaml(str(tmp_path / f"{name}.yaml"))
+        assert ok, lines
+        return "\n".join(lines)
+
+    out = run("qwen2_vl", label_smoothing_factor=0.1)
+    assert "model class Qwen2VLForConditionalGeneration" in out and "guard on" in out
+    assert "label_smoothing_factor 0.1: the Trainer pops the labels" in out and "will engage: head=modules_to_save" in out
+    out = run("granite", liger_fsdp_guard=False)
+    assert "model type granite (quirks: logits / 4 (config.logits_scaling))." in out and "guard off" in out
