@@ -98,8 +98,12 @@ def _original_loss(causal_lm, original, signature, params, extra, labels, rows, 
 def _compare(causal_lm, original, signature, fused, params, extra, labels, r, k) -> tuple[float, str]:
     b = labels.shape[0]
     rows = slice(None) if r is None else slice(r, r + 1)
+    where = f"every row of {b}" if r is None else f"row {r} of {b}"
     if r is not None and _text_only(params, extra, b):
         params, extra, labels, rows = _row(params, r, b), _row(extra, r, b), labels[r:r + 1], slice(0, 1)
+        where += " (decoder on that row alone)"
+    else:
+        where += " (decoder on the whole micro-batch)"
     rng = _Rng()
     try:
         with torch.no_grad():
@@ -120,7 +124,7 @@ def _compare(causal_lm, original, signature, fused, params, extra, labels, r, k)
     rtol, atol = bounds(dtype)
     bound = rtol * abs(a) + atol
     text = (f"model's own loss {a:.7g}, fused loss {f:.7g} (|diff| {abs(f - a):.3g}, bound {bound:.3g} for "
-            f"{str(dtype).replace('torch.', '')}) on {'every row' if r is None else 'one row'}, last {k} positions")
+            f"{str(dtype).replace('torch.', '')}) on {where}, last {k} positions")
     bad = not abs(f - a) <= bound  # NaN counts as a difference
     return float(bad), ("" if bad else "exact: ") + text
 
