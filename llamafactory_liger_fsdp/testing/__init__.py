@@ -101,7 +101,7 @@ def make_peft(model, head: str, dropout: float = 0.0, seed: int = 1):
         return model
     from peft import LoraConfig, get_peft_model
 
-    targets = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n.rsplit(".", 1)[-1] in LINEAR_TARGETS]
+    targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in LINEAR_TARGETS]
     head_name = _leaf_name(model, model.get_output_embeddings())
     kwargs = dict(r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False)
     if head == "mts":
