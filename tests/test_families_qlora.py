@@ -1,7 +1,13 @@
-"""QLoRA (issue 12 item 4), one device: a bitsandbytes 4-bit / 8-bit body with a trained, unquantized head
-(transformers keeps the output embedding out of quantization) is exact, for a modules_to_save head and a LoRA
-head; a quantized head stays refused. Skipped where bitsandbytes is not installed (it is not in
-requirements-cpu.txt; bitsandbytes 0.50.2's CPU backend runs these)."""
+"""QLoRA (issue 12 item 4): a bitsandbytes 4-bit / 8-bit body with a trained, unquantized head (transformers
+keeps the output embedding out of quantization) is exact on one device (modules_to_save and LoRA heads) and under
+FSDP2 on 2 gloo ranks (4-bit with ``bnb_4bit_quant_storage`` fp32, as LLaMA-Factory's fsdp_qlora example sets
+it; this file is its own worker); a quantized head stays refused. Skipped where bitsandbytes is not installed (it
+is not in requirements-cpu.txt; bitsandbytes 0.50.2's CPU backend runs these)."""
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,7 +30,7 @@ def _load(path, bits, skip=None):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     q = (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_type="nf4",
-                            llm_int8_skip_modules=skip) if bits == 4 else BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip))
+                            bnb_4bit_quant_storage=torch.float32, llm_int8_skip_modules=skip) if bits == 4 else BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip))
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=q, dtype=torch.float32, device_map="cpu")
 
 
@@ -44,7 +50,65 @@ def test_qlora_exact(saved, bits, kind):
             assert rel(q.grad, p.grad) <= 1e-5, n
 
 
-def test_quantized_head_refused(saved):
-    model = make_peft(_load(saved, 4, skip=["nothing"]), "lora")  # the head quantized too
+@pytest.mark.parametrize("kind", ["mts", "lora"])
+def test_quantized_head_refused(saved, kind):
+    model = make_peft(_load(saved, 4, skip=["nothing"]), kind)  # the head quantized too (its storage float32)
     with pytest.raises(LigerFsdpConfigError, match="quantized heads are not supported"):
         engage(model, backend="torch")
+
+
+def _rank(rank, world, init, path, out):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from llamafactory_liger_fsdp import wrapping
+
+    os.environ["RANK"] = str(rank)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    ref, cand = make_peft(_load(path, 4), "mts"), make_peft(_load(path, 4), "mts")
+    ref.train(), cand.train()
+    engage(cand, backend="torch")
+    mesh = init_device_mesh("cpu", (world,))
+    wrapping.shard_marked_units(cand, mesh=mesh)
+    for layer in cand.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(cand, mesh=mesh)
+    batches = [make_batch(seed=r) for r in range(world)]
+    sum(ref(**b).loss / world for b in batches).backward()
+    loss = cand(**batches[rank]).loss
+    loss.backward()
+    named = dict(ref.named_parameters())
+    grads = {n: rel(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad, named[n].grad)
+             for n, p in cand.named_parameters() if p.grad is not None}
+    result = dict(loss_rel=abs(loss.item() - ref(**batches[rank]).loss.item()) / loss.item(), grads=grads)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_qlora_fsdp2_two_ranks(saved, tmp_path):
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, __file__, str(saved), str(out)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and "guard: step 1 exact" in proc.stderr, proc.stderr[-6000:]
+    for result in json.loads(out.read_text()):
+        assert result["loss_rel"] <= 1e-5 and len(result["grads"]) > 20, result
+        assert max(result["grads"].values()) <= 1e-5, result
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank, args=(2, os.path.join(tmp, "init"), sys.argv[1], sys.argv[2]), nprocs=2,
+                           start_method="spawn")

@@ -50,7 +50,9 @@ def is_shared(root: nn.Module, param: torch.Tensor) -> bool:
 
 
 def check_linear(module: nn.Module, what: str, bias_ok: bool = False) -> None:
-    if not isinstance(module, nn.Linear) or not module.weight.is_floating_point():
+    # exactly nn.Linear: bitsandbytes' Linear4bit/Linear8bitLt subclass it, and with bnb_4bit_quant_storage=float32
+    # their packed weight even looks like a floating-point one
+    if type(module) is not nn.Linear or not module.weight.is_floating_point():
         raise LigerFsdpConfigError(
             f"`liger_fsdp: true`: {what} is {type(module).__name__}, not a floating-point nn.Linear "
             "(quantized heads are not supported). Fix: do not quantize the head, or remove `liger_fsdp`."
