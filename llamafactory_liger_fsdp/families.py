@@ -45,7 +45,7 @@ class Family:
     moe: MoeAux | None = None
     decoder: str | None = None
     refuse: str | None = None
-    refuse_if: tuple[str, str] | None = None  # (attribute path, reason): refused while that value is true
+    refuse_if: tuple[str, str, str] | None = None  # (attribute path, reason, fix): refused while that value is true
 
 
 _MOE = MoeAux("config", "num_experts", "num_experts_per_tok", "router_aux_loss_coef")
@@ -54,7 +54,8 @@ _VLM_MOE = MoeAux("kwarg", "text_config.num_experts", "text_config.num_experts_p
 _CAP = "config.final_logit_softcapping"
 _GRANITE_AUX = ("config.output_router_logits", "transformers 5.6's Granite MoE models never record router logits, so "
                 "their own forward fails with `output_router_logits` on ('int' object has no attribute 'to'); "
-                "LLaMA-Factory turns it on with `moe_aux_loss_coef`")
+                "LLaMA-Factory turns it on with `moe_aux_loss_coef`",
+                "remove `moe_aux_loss_coef` (so that the router aux loss stays off), or remove `liger_fsdp`")
 _LLAMA4 = ("Llama4ForConditionalGeneration merges the image features itself and calls a whole Llama4ForCausalLM "
            "(`language_model`) for its logits, so there is no decoder call whose hidden states the fused loss could "
            "take (and its `base_model_prefix` 'model' names no module)")
@@ -140,10 +141,9 @@ def family_of(model_type: str | None, config=None, cls: str | None = None) -> Fa
             f"this model is {cls} (remote code, or another head class), whose loss may differ. {_FIX}"
         )
     if config is not None and family.refuse_if and read(family.refuse_if[0], config):
-        path, why = family.refuse_if
+        path, why, fix = family.refuse_if
         raise LigerFsdpConfigError(
-            f"`liger_fsdp: true` does not support `{model_type}` with `{path.split('.')[-1]}` on: {why}. Fix: remove "
-            "`moe_aux_loss_coef` (so that the router aux loss stays off), or remove `liger_fsdp`."
+            f"`liger_fsdp: true` does not support `{model_type}` with `{path.split('.')[-1]}` on: {why}. Fix: {fix}."
         )
     return family
 
