@@ -3,6 +3,7 @@
 recipe on this GPU-less machine."""
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")) + glob.glob(os.path.join(ROOT, "recipes", "*", "sft.yaml")))
 GPU_RECIPES = [p for p in RECIPES if "tiny_cpu" not in p]
+ACCELERATE_RECIPES = [p for p in GPU_RECIPES if "accelerate launch --config_file" in open(p).read()]
 
 
 def _accelerate_env(accelerate_config: str, recipe: str) -> dict[str, str]:
@@ -30,7 +32,8 @@ def _accelerate_env(accelerate_config: str, recipe: str) -> dict[str, str]:
 def test_there_are_recipes():
     names = {os.path.relpath(p, ROOT) for p in RECIPES}
     assert {"recipes/llama3_8b_lora_fsdp1.yaml", "recipes/llama3_8b_lora_fsdp2.yaml", "recipes/qwen2_5_7b_lora_fsdp1.yaml",
-            "recipes/qwen2_5_7b_lora_fsdp2.yaml", "recipes/llama3_8b_lora_head_fsdp2.yaml", "recipes/tiny_cpu/sft.yaml"} <= names
+            "recipes/qwen2_5_7b_lora_fsdp2.yaml", "recipes/llama3_8b_lora_head_fsdp2.yaml", "recipes/tiny_cpu/sft.yaml",
+            "recipes/qwen2_5_7b_lora_zero3.yaml"} <= names
 
 
 def _parse(path, monkeypatch, env=None):
@@ -47,7 +50,23 @@ def _parse(path, monkeypatch, env=None):
     return get_train_args()
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: os.path.relpath(p, ROOT))
+TORCHRUN_ONLY = [p for p in RECIPES if "deepspeed:" in open(p).read()]  # LLaMA-Factory parses DeepSpeed in a rank only
+
+
+@pytest.mark.parametrize("path", TORCHRUN_ONLY, ids=lambda p: os.path.relpath(p, ROOT))
+def test_deepspeed_recipe_parses_in_a_rank(path):
+    """As `FORCE_TORCHRUN=1 llamafactory-cli train` parses it: inside a torchrun worker (one, gloo, on the CPU)."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    script = os.path.join(ROOT, "tests", "support", "parse_in_rank.py")
+    proc = subprocess.run([torchrun, "--nproc-per-node", "1", script, path, "use_cpu=true"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1"))
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("PARSED ")), None)
+    assert line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
+    parsed = json.loads(line[len("PARSED "):])
+    assert parsed == {"enabled": True, "sharding": "DeepSpeed ZeRO-3", "stage": "sft"}, parsed
+
+
+@pytest.mark.parametrize("path", [p for p in RECIPES if p not in TORCHRUN_ONLY], ids=lambda p: os.path.relpath(p, ROOT))
 def test_recipe_parses_with_torchrun(path, monkeypatch):
     from llamafactory_liger_fsdp import config
 
@@ -62,7 +81,8 @@ def test_recipe_parses_with_torchrun(path, monkeypatch):
         assert plugin.sharding.fsdp_version == cfg["fsdp_config"]["version"]
 
 
-@pytest.mark.parametrize("path", GPU_RECIPES, ids=lambda p: os.path.relpath(p, ROOT))
+
+@pytest.mark.parametrize("path", ACCELERATE_RECIPES, ids=lambda p: os.path.relpath(p, ROOT))
 def test_recipe_parses_with_accelerate_launch(path, monkeypatch):
     """The launch line the recipe states, as accelerate would run it: same yaml, same decisions."""
     from accelerate.utils import FullyShardedDataParallelPlugin
