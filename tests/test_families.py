@@ -134,13 +134,16 @@ def test_issue_list_is_covered():
     assert set(VLM) <= set(families.FAMILIES)
 
 
-def test_doctor_names_family_class_quirks_guard_and_label_smoothing(tmp_path):
+def test_doctor_names_family_class_quirks_guard_and_label_smoothing(tmp_path, monkeypatch):
     """`doctor` on a vision-language yaml and a scaled-logits one: the class LLaMA-Factory builds, the quirks,
     the guard, and that label smoothing bypasses the fused path."""
     import yaml
 
     from llamafactory_liger_fsdp import doctor
+    from llamafactory_liger_fsdp._log import logger
     from llamafactory_liger_fsdp.testing import make_config
+
+    monkeypatch.setattr(logger, "level", logger.level)  # doctor quiets the plugin's log; later tests read it
 
     def run(name, **extra):
         make_config(name).save_pretrained(tmp_path / name)
