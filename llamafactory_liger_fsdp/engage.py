@@ -114,7 +114,8 @@ def sharding_label(causal_lm: nn.Module, decided) -> str:
 def engaged_line(causal_lm: nn.Module, done: Engaged) -> str:
     found = list({id(u): u for p in done.head.weight_paths for u in gather.units(causal_lm, p)}.values())
     label = sharding_label(causal_lm, done.config.sharding)
-    backend = losses.resolve_backend(done.config.backend, causal_lm.get_output_embeddings().weight.device)
+    device = next(causal_lm.get_output_embeddings().parameters()).device  # not `.weight`: see gather.param
+    backend = losses.resolve_backend(done.config.backend, device)
     if found:
         names = ", ".join(gather.unit_names(causal_lm, found))
         if any(thirdparty.is_fsdp1(u) or thirdparty.is_fsdp2(u) for u in found):

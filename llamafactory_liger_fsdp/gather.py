@@ -29,6 +29,15 @@ def _checkpoint_inner(module: nn.Module) -> nn.Module | None:
     return module.__dict__.get("_modules", {}).get("_checkpoint_wrapped_module")
 
 
+def param(module: nn.Module, name: str = "weight"):
+    """``module.<name>`` read without ``nn.Module.__getattr__``. Under ZeRO-3, inside the engine's forward, an
+    attribute read of a partitioned parameter makes DeepSpeed gather it and register it, for good, as an external
+    parameter of the module whose forward is running (the causal LM): the head would then stay gathered for every
+    later forward and backward. Reading ``_parameters`` with ``dict.get`` does not trigger that."""
+    params = module.__dict__.get("_parameters")
+    return dict.get(params, name) if isinstance(params, dict) else getattr(module, name, None)
+
+
 def resolve(root: nn.Module, path: str) -> tuple[list[nn.Module], nn.Module]:
     """Walk the dotted ``path`` from ``root``: the units on the way (outermost first) and the plain module
     at the end. FSDP1 wrappers and activation-checkpoint wrappers are looked through."""
@@ -46,7 +55,7 @@ def resolve(root: nn.Module, path: str) -> tuple[list[nn.Module], nn.Module]:
                 break
         if thirdparty.is_fsdp2(module):
             found.append(module)
-    weight = getattr(module, "weight", None)
+    weight = param(module)
     if thirdparty.is_zero3_param(weight) and module not in found:
         found.append(module)
     return found, module
@@ -78,7 +87,7 @@ def unit_names(root: nn.Module, found: list[nn.Module]) -> list[str]:
 
 def local_dtype(module: nn.Module) -> torch.dtype | None:
     """dtype of ``module.weight`` as read outside a gather (what PEFT casts a LoRA input to), else None."""
-    weight = getattr(module, "weight", None)
+    weight = param(module)
     return weight.dtype if isinstance(weight, torch.Tensor) else None
 
 

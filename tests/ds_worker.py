@@ -34,6 +34,9 @@ def _config(stage: int, offload: str) -> dict:
     zero: dict = {"stage": stage, "overlap_comm": False, "contiguous_gradients": True}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0  # the tiny head must be partitioned, as a real one is
+        # release every parameter as soon as its module is done (no reuse, no prefetch), so that a head kept
+        # gathered longer than the loss (e.g. registered as an external parameter of the causal LM) shows
+        zero.update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
     if offload in ("param", "both"):
         zero["offload_param"] = {"device": "cpu"}
     if offload in ("optimizer", "both"):
@@ -57,6 +60,24 @@ def _proof(causal_lm, done) -> dict:
     }
 
 
+def _watch_head(causal_lm, done, seen: dict) -> None:
+    """Record the head weights' ZeRO status while the embedding runs (forward) and when backward reaches the
+    embedding's output (late in backward): outside the loss they must be released (NOT_AVAILABLE)."""
+    from llamafactory_liger_fsdp import gather
+
+    heads = [gather.param(causal_lm.get_submodule(p)) for p in done.head.weight_paths]
+
+    def status():
+        return sorted({str(getattr(w, "ds_status", "n/a")).split(".")[-1] for w in heads})
+
+    def forward_hook(module, args, output):
+        seen["embed_forward"].append(status())
+        if output.requires_grad:
+            output.register_hook(lambda grad: seen["embed_backward"].append(status()))
+
+    causal_lm.get_input_embeddings().register_forward_hook(forward_hook)
+
+
 def run_case(case: str, rank: int, world: int) -> dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
@@ -72,6 +93,9 @@ def run_case(case: str, rank: int, world: int) -> dict:
     done = engage(cand, backend="torch")
     assert done is not None, "plugin did not engage"
     trainable = [(n, p) for n, p in cand.named_parameters() if p.requires_grad]
+    seen: dict = {"embed_forward": [], "embed_backward": []}
+    if not done.head.tied:
+        _watch_head(causal_lm_of(cand), done, seen)
     opt_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
     engine, *_ = deepspeed.initialize(model=cand, optimizer=torch.optim.SGD([p for _, p in trainable], lr=LR),
                                       config=_config(stage, offload), model_parameters=[p for _, p in trainable])
@@ -100,6 +124,7 @@ def run_case(case: str, rank: int, world: int) -> dict:
     for n, p in trainable:
         full = safe_get_full_fp32_param(p)
         after[n] = (p if full is None else full).detach().clone()
+    result["head_while_embedding"] = seen
     result["param_rels_after"] = max(rel(after[n], ref_named[n]) for n, _ in trainable)
     init = dict(make_peft(make_model(family, seed=0), kind).named_parameters())
     result["moved"] = rel(torch.cat([after[n].flatten() for n, _ in trainable]),

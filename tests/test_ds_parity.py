@@ -44,6 +44,12 @@ def test_zero_parity(ranks, case):
             assert all(s == "NOT_AVAILABLE" for s in proof["ds_status"].values()), proof
             assert proof["units"] == len(proof["ds_status"]), proof
             assert "through DeepSpeed's gather hooks of" in result["engaged"], result["engaged"]
+            # gathered only while the loss runs: released when the embedding runs and when backward reaches it
+            seen = result["head_while_embedding"]
+            if "tied" not in case:
+                assert len(seen["embed_forward"]) >= 3, seen  # every step (the step-1 guard adds forwards)
+                assert len(seen["embed_backward"]) >= (0 if ":lora:" in case else 3), seen  # trained embedding
+                assert all(s == ["NOT_AVAILABLE"] for s in seen["embed_forward"] + seen["embed_backward"]), seen
         else:  # ZeRO-0/1/2 partition optimizer state and gradients, never the weights
             assert proof["head_numel_outside_forward"] == proof["head_full_numel"] and proof["units"] == 0, proof
             assert "on the whole (unpartitioned) head weight" in result["engaged"], result["engaged"]
