@@ -102,6 +102,14 @@ def check_full(*weights: torch.Tensor) -> None:
             )
 
 
+REDIRECTED = "_liger_fsdp_redirected"
+
+
+def is_redirected(module: nn.Module) -> bool:
+    """True while ``module`` runs the fused loss instead of its own forward (for hooks on it)."""
+    return bool(module.__dict__.get(REDIRECTED, False))
+
+
 def _redirect(unit: nn.Module, fn: Callable, args: tuple) -> Any:
     target = unit._fsdp_wrapped_module if thirdparty.is_fsdp1(unit) else unit
     had_own = "forward" in target.__dict__
@@ -118,10 +126,12 @@ def _redirect(unit: nn.Module, fn: Callable, args: tuple) -> Any:
         return fn(*a, **k)
 
     target.__dict__["forward"] = redirected
+    target.__dict__[REDIRECTED] = True
     try:
         return unit(*args)
     finally:
         restore()
+        target.__dict__.pop(REDIRECTED, None)
 
 
 def call_through(found: Iterable[nn.Module], fn: Callable, *args: Any) -> Any:

@@ -113,13 +113,19 @@ def patch_loader(loader_module: Any) -> None:
 
 def engage_model(model: Any, cfg: config.LigerFsdpConfig, liger: bool = False):
     """Engage the fused loss on a freshly loaded model; patch what its sharding needs."""
-    from .. import engage
+    from .. import engage, precision
     from . import accelerate, trainer
 
+    kind = getattr(cfg.sharding, "kind", None)
+    if kind == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:
+        cast = precision.unify_trainable_dtype(model)
+        if cast:  # before engaging: the head strategy is detected on the final dtypes
+            info_rank0(f"[liger_fsdp] DeepSpeed ZeRO-3: trainable parameters of mixed dtypes (PEFT's LoRA weights fp32, "
+                       f"the modules_to_save copies not), which ZeRO-3's optimizer cannot take; trainable copies in "
+                       f"fp32 as LLaMA-Factory keeps them outside ZeRO-3: {cast}.")
     done = engage.engage(model, cfg)
     if done is None:
         return None
-    kind = getattr(cfg.sharding, "kind", None)
     if kind in (None, sharding.FSDP1, sharding.FSDP2):
         accelerate.patch_wrap_policies()
     if kind in (None, sharding.FSDP2):

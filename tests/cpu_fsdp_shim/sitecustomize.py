@@ -189,3 +189,10 @@ if os.environ.get("CPU_FSDP_SHIM_KILL"):
             return _save_to_json(self, json_path)
 
         transformers.trainer_callback.TrainerState.save_to_json = _save_to_json_or_die
+
+if os.environ.get("CPU_SHIM_FAKE_BF16_GPU") == "1":
+    # transformers refuses `bf16: true` without a GPU unless `use_cpu` is set, and `use_cpu` makes DeepSpeed count
+    # world size 1. DeepSpeed's bf16 mode itself runs on CPU ranks; this lets a test reach it.
+    import transformers.training_args
+
+    transformers.training_args.is_torch_bf16_gpu_available = lambda *a, **k: True
