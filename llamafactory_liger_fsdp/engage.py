@@ -52,23 +52,25 @@ def check_model(causal_lm: nn.Module) -> families.Family:
     return family
 
 
-def engage(model: nn.Module, config: LigerFsdpConfig | None = None, *, backend: str | None = None) -> Engaged | None:
+def engage(model: nn.Module, config: LigerFsdpConfig | None = None, *, backend: str | None = None,
+           preference: bool = False) -> Engaged | None:
     """Make ``model`` compute its training loss with the fused kernel; None when nothing needed doing.
 
-    Call before FSDP wraps the model (the tags decide the wrapping)."""
+    ``preference`` (DPO/KTO): log-probs are needed from any head, a frozen one included (the reference pass, a
+    separate reference model). Call before FSDP wraps the model (the tags decide the wrapping)."""
     cfg = config or LigerFsdpConfig(enabled=True, backend=backend or "auto")
     causal_lm = causal_lm_of(model)
     if ATTR in causal_lm.__dict__:
         return causal_lm.__dict__[ATTR]
     family = check_model(causal_lm)
-    head = heads.detect(causal_lm)
+    head = heads.detect(causal_lm, trained_only=not preference)
     if isinstance(head, str):
         info_rank0(f"[liger_fsdp] not engaged: {head}; the plain loss has nothing to fix.")
         return None
     marked = []
     for path in head.weight_paths:
         module = causal_lm.get_submodule(path)
-        if not heads.base.is_shared(causal_lm, module.weight):
+        if not heads.base.is_shared(causal_lm, gather.param(module)):
             wrapping.mark_unit(module)
             marked.append(path)
     state = ForwardState(on_first_step=lambda: _first_step(causal_lm), guard=cfg.guard)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from . import families, losses
+from . import families, losses, preference
 from ._log import info_rank0
 from .families import Family
 from .heads import Head
@@ -74,10 +74,25 @@ def make_forward(causal_lm: nn.Module, head: Head, family: Family, backend: str 
         )
         return families.build_output(family, causal_lm, loss, outputs, params.get("attention_mask"), with_aux)
 
+    def logps(params: dict, extra: dict, labels):
+        """Preference stages: per-token log-probs and per-position logit sums (:mod:`.preference`), any mode."""
+        for key in ("labels", "logits_to_keep", "output_router_logits"):
+            params.pop(key, None)
+        if state.steps == 0 and state.on_first_step is not None:
+            state.steps = 1
+            state.on_first_step()
+        outputs = getattr(causal_lm, decoder_attr)(**params, **extra)
+        token_logps, sums = preference.token_logps(causal_lm, head, outputs.last_hidden_state, labels,
+                                                   softcap=softcap, scale=scale, backend=backend)
+        vocab = causal_lm.get_output_embeddings().out_features
+        return preference.PreferenceOutput(logps=token_logps, logit_sums=sums, vocab_size=vocab)
+
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any):
         params = dict(signature.bind_partial(*args, **kwargs).arguments)
         extra = dict(params.pop(var_kw, {}) if var_kw else {})
+        if preference.LABELS_KEY in extra:
+            return logps(params, extra, extra.pop(preference.LABELS_KEY))
         labels = params.get("labels")
         if not (causal_lm.training and labels is not None):
             if causal_lm.training and not state.said_no_labels:

@@ -27,7 +27,8 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-def _scaled(kernel: Callable, scale: tuple[float, bool]) -> Callable:
+def scaled(kernel: Callable, scale: tuple[float, bool]) -> Callable:
+    """``kernel`` on rows multiplied (or divided) by the family's logit scale: ``(s h) W^T = s (h W^T)``."""
     value, divides = scale
 
     def run(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor):
@@ -85,7 +86,7 @@ def causal_lm_loss(
         backend=resolve_backend(backend, h.device),
     )
     if scale is not None:
-        kernel = _scaled(kernel, scale)
+        kernel = scaled(kernel, scale)
     if wrap_kernel is not None:  # diagnostics (memory report)
         kernel = functools.partial(wrap_kernel, kernel)
     loss = head.run(causal_lm, h, y, kernel)

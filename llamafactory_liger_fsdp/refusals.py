@@ -13,13 +13,15 @@ from typing import Any, Callable
 
 from .config import LigerFsdpConfigError
 
-#: Stages whose loss is the plain causal-LM loss.
-SUPPORTED_STAGES = ("sft", "pt")
+#: Preference stages: per-token log-probs through the fused kernel (:mod:`.preference`).
+PREFERENCE_STAGES = ("dpo", "kto")
+#: Stages the plugin computes: the causal-LM loss, and the preference stages' log-probs.
+SUPPORTED_STAGES = ("sft", "pt", *PREFERENCE_STAGES)
 _STAGE_WHY = {
-    "rm": "it trains a value head (a scalar per sequence), not lm_head",
-    "ppo": "it samples with generate() and scores with a value head, which need the full logits",
-    "dpo": "preference losses need per-sequence log-probs from the full logits",
-    "kto": "preference losses need per-sequence log-probs from the full logits",
+    "rm": "it trains a value head (one scalar per sequence from `v_head`), not lm_head, so there is no vocabulary "
+          "loss to fuse",
+    "ppo": "it samples with generate() and scores with a reward model's value head; rollouts need the full "
+           "logits of the sampled tokens",
 }
 _LOGIT_LOSSES = ("use_dft_loss", "use_eaft_loss", "use_asft_loss")
 _REPLACED = {
@@ -43,7 +45,7 @@ def check(get: Callable[[str, Any], Any], sharding: Any = None) -> None:
         why = _STAGE_WHY.get(stage, "its loss is not the plain causal-LM loss")
         raise LigerFsdpConfigError(
             f"`liger_fsdp: true` does not work with `stage: {stage}`: {why}. Supported stages: "
-            f"{', '.join(SUPPORTED_STAGES)}. Fix: remove `liger_fsdp` (or set it to false) for this run."
+            f"{', '.join(SUPPORTED_STAGES)}. Fix: remove `liger_fsdp` (or set it to false) for `stage: {stage}`."
         )
     for key in _LOGIT_LOSSES:
         if _flag(get(key, False)):

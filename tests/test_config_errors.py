@@ -93,14 +93,19 @@ def test_plugin_key_without_the_flag(base):
     names_key_and_fix(str(err.value), "liger_fsdp_backend", "liger_fsdp: true")
 
 
-@pytest.mark.parametrize("stage", ["dpo", "kto", "ppo", "rm"])
+@pytest.mark.parametrize("stage", ["ppo", "rm"])
 def test_stage_refused(base, stage):
-    extra = {"pref_beta": 0.1} if stage in ("dpo", "kto") else {}
-    if stage == "ppo":
-        extra["reward_model"] = base["model_name_or_path"]
+    extra = {"reward_model": base["model_name_or_path"]} if stage == "ppo" else {}
     with pytest.raises(LigerFsdpConfigError) as err:
         _train_args(dict(base, liger_fsdp=True, stage=stage, **extra))
-    names_key_and_fix(str(err.value), f"stage: {stage}", "liger_fsdp")
+    names_key_and_fix(str(err.value), f"stage: {stage}", "liger_fsdp", f"stage: {stage}")
+    assert "value head" in str(err.value)  # the reason, not just "unsupported"
+
+
+@pytest.mark.parametrize("stage", ["dpo", "kto"])
+def test_preference_stages_accepted(base, stage):
+    *_, finetuning_args, _ = _train_args(dict(base, liger_fsdp=True, stage=stage, pref_beta=0.1))
+    assert config.get_config(finetuning_args).enabled and finetuning_args.stage == stage
 
 
 @pytest.mark.parametrize("key", ["use_unsloth", "use_dft_loss"])

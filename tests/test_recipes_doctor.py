@@ -175,8 +175,8 @@ def test_doctor_decides_like_training(assets, tmp_path):
     rc, out = _doctor(_yaml(tmp_path, "dora", assets, liger_fsdp=True, additional_target=None,
                             lora_target="q_proj,lm_head", use_dora=True))
     assert rc == 1 and "error: `liger_fsdp: true` supports plain LoRA on lm_head; this head uses DoRA" in out, out
-    rc, out = _doctor(_yaml(tmp_path, "dpo", assets, liger_fsdp=True, stage="dpo", pref_beta=0.1))
-    assert rc == 1 and "error: `liger_fsdp: true` does not work with `stage: dpo`" in out, out
+    rc, out = _doctor(_yaml(tmp_path, "rm", assets, liger_fsdp=True, stage="rm"))
+    assert rc == 1 and "error: `liger_fsdp: true` does not work with `stage: rm`" in out, out
 
 
 def test_doctor_says_when_the_hook_is_inactive(assets, tmp_path):

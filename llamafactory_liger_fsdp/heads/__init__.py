@@ -26,8 +26,9 @@ def _path_of(root: nn.Module, target: nn.Module) -> str:
                                "Fix: remove `liger_fsdp`.")
 
 
-def detect(causal_lm: nn.Module) -> Head | str:
-    """The head's strategy, or a string saying why nothing needs doing (a frozen head).
+def detect(causal_lm: nn.Module, trained_only: bool = True) -> Head | str:
+    """The head's strategy, or a string saying why nothing needs doing (a frozen head; with ``trained_only``
+    False -- preference stages, which need log-probs from any head -- a ``frozen`` strategy instead).
 
     Raises :class:`LigerFsdpConfigError` for heads the fused loss cannot reproduce exactly."""
     head = causal_lm.get_output_embeddings()
@@ -37,7 +38,7 @@ def detect(causal_lm: nn.Module) -> Head | str:
         )
     path = _path_of(causal_lm, head)
     for kind in _KINDS:
-        found = kind(causal_lm, head, path)
+        found = kind(causal_lm, head, path, trained_only)
         if found is not None:
             return found
     raise LigerFsdpConfigError(

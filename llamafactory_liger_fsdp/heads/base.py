@@ -33,6 +33,10 @@ class Head(ABC):
     def run(self, causal_lm: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, kernel: Kernel) -> Any:
         """``kernel(h, W, y)`` for ``hidden [N, H]`` and ``labels [N]``, with the head's weights gathered."""
 
+    def live(self, causal_lm: nn.Module) -> "Head":
+        """The strategy for the model's state right now (PEFT's ``disable_adapter()`` may be active)."""
+        return self
+
     def describe(self) -> str:
         return f"head={self.kind}{' (tied)' if self.tied else ''} ({self.head_path})"
 

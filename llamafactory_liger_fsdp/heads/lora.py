@@ -31,6 +31,15 @@ class LoraHead(Head):
     def weight_paths(self) -> tuple[str, ...]:
         return (f"{self.head_path}.base_layer", f"{self.head_path}.lora_B.{self.adapter}")
 
+    def live(self, causal_lm: nn.Module) -> Head:
+        """Under PEFT's ``disable_adapter()`` (LoRA as the reference model) the head is its base layer alone."""
+        from .linear import LinearHead
+
+        layer = gather.module_at(causal_lm, self.head_path)  # no weight read here: see gather.param
+        if layer.disable_adapters or layer.merged:
+            return LinearHead("frozen", self.head_path, f"{self.head_path}.base_layer", self.tied)
+        return self
+
     def run(self, causal_lm: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, kernel: Kernel):
         a_path = f"{self.head_path}.lora_A.{self.adapter}"
         dropout = gather.entry_at(causal_lm, f"{self.head_path}.lora_dropout.{self.adapter}")
@@ -52,15 +61,25 @@ class LoraHead(Head):
         return gather.call_through(found, inside, hidden, u, labels)
 
 
-def detect(causal_lm: nn.Module, head: nn.Module, head_path: str) -> LoraHead | str | None:
-    """A :class:`LoraHead`, a reason the head is frozen, or None when ``head`` is not a LoRA layer."""
+def _base_only(causal_lm: nn.Module, head: nn.Module, head_path: str):
+    from .linear import LinearHead
+
+    check_linear(head.base_layer, "the LoRA head's base layer", bias_ok=True)
+    return LinearHead("frozen", head_path, f"{head_path}.base_layer", is_shared(causal_lm, head.base_layer.weight))
+
+
+def detect(causal_lm: nn.Module, head: nn.Module, head_path: str, trained_only: bool = True) -> Head | str | None:
+    """A :class:`LoraHead`, a reason the head is frozen (``trained_only``; else a ``frozen`` strategy on the base
+    layer where no LoRA delta applies), or None when ``head`` is not a LoRA layer."""
     if not thirdparty.is_lora_layer(head):
         return None
     if head.disable_adapters or head.merged:
-        return "LoRA on lm_head is disabled or merged: the head is frozen"
+        return _base_only(causal_lm, head, head_path) if not trained_only else (
+            "LoRA on lm_head is disabled or merged: the head is frozen")
     adapter = only_adapter(head, "LoRA")
     if adapter not in head.lora_A:
-        return "the active adapter has no LoRA on lm_head: the head is frozen"
+        return _base_only(causal_lm, head, head_path) if not trained_only else (
+            "the active adapter has no LoRA on lm_head: the head is frozen")
     problems = []
     if head.use_dora.get(adapter, False) or adapter in getattr(head, "lora_variant", {}):
         problems.append("DoRA/LoRA variants")
@@ -75,6 +94,6 @@ def detect(causal_lm: nn.Module, head: nn.Module, head_path: str) -> LoraHead | 
         )
     check_linear(head.base_layer, "the LoRA head's base layer", bias_ok=True)
     check_linear(head.lora_B[adapter], "the LoRA head's lora_B")
-    if not (head.lora_A[adapter].weight.requires_grad or head.lora_B[adapter].weight.requires_grad):
+    if trained_only and not (head.lora_A[adapter].weight.requires_grad or head.lora_B[adapter].weight.requires_grad):
         return "the LoRA weights on lm_head are frozen"
     return LoraHead(head_path, adapter, float(head.scaling[adapter]), is_shared(causal_lm, head.base_layer.weight))

@@ -21,6 +21,10 @@ transformers (:mod:`.trainer`, FSDP2 + adapter, only where the installed acceler
 
 6. ``transformers.trainer.save_fsdp_model`` / ``load_fsdp_model`` -- :mod:`..checkpoint.repair`.
 
+LLaMA-Factory's preference trainers (:mod:`.preference`, patched as their modules load):
+
+7. ``CustomDPOTrainer.concatenated_forward`` and 8. ``CustomKTOTrainer.forward`` -- log-probs from the fused kernel.
+
 Liger-Kernel: with ``enable_liger_kernel: true`` LLaMA-Factory still applies Liger's kernels (RMSNorm,
 RoPE, SwiGLU); Liger's fused loss lives in the *class* ``forward`` it installs, ours is set on the
 *instance*, so in training Liger's fused loss is never called.
@@ -36,15 +40,17 @@ from .._log import info_rank0
 PARSER = "llamafactory.hparams.parser"
 LOADER = "llamafactory.model.loader"
 LAUNCHER = "llamafactory.launcher"
-HOOKED_MODULES = (PARSER, LOADER, LAUNCHER)
+DPO = "llamafactory.train.dpo.trainer"
+KTO = "llamafactory.train.kto.trainer"
+HOOKED_MODULES = (PARSER, LOADER, LAUNCHER, DPO, KTO)
 
 
 def on_module_loaded(name: str, module: Any) -> None:
     """Called by the import hook right after a hooked LLaMA-Factory module has executed."""
-    from . import llamafactory
+    from . import llamafactory, preference
 
     patchers = {PARSER: llamafactory.patch_parser, LOADER: llamafactory.patch_loader,
-                LAUNCHER: llamafactory.patch_launcher}
+                LAUNCHER: llamafactory.patch_launcher, DPO: preference.patch_dpo, KTO: preference.patch_kto}
     try:
         patchers[name](module)
     except _patch.PatchError as exc:

@@ -99,7 +99,8 @@ def patch_loader(loader_module: Any) -> None:
                 return original(tokenizer, model_args, finetuning_args, is_trainable, add_valuehead, **kwargs)
             check_family(model_args)
             model = original(tokenizer, model_args, finetuning_args, is_trainable, add_valuehead, **kwargs)
-            engage_model(model, cfg, liger=bool(getattr(model_args, "enable_liger_kernel", False)))
+            engage_model(model, cfg, liger=bool(getattr(model_args, "enable_liger_kernel", False)),
+                         preference=getattr(finetuning_args, "stage", "sft") in refusals.PREFERENCE_STAGES)
             return model
 
         return load_model
@@ -111,7 +112,7 @@ def patch_loader(loader_module: Any) -> None:
                 _patch.rebind(mod, "load_model", patch.original, patch.replacement, "re-exported load_model")
 
 
-def engage_model(model: Any, cfg: config.LigerFsdpConfig, liger: bool = False):
+def engage_model(model: Any, cfg: config.LigerFsdpConfig, liger: bool = False, preference: bool = False):
     """Engage the fused loss on a freshly loaded model; patch what its sharding needs."""
     from .. import engage, precision
     from . import accelerate, trainer
@@ -123,7 +124,7 @@ def engage_model(model: Any, cfg: config.LigerFsdpConfig, liger: bool = False):
             info_rank0(f"[liger_fsdp] DeepSpeed ZeRO-3: trainable parameters of mixed dtypes (PEFT's LoRA weights fp32, "
                        f"the modules_to_save copies not), which ZeRO-3's optimizer cannot take; trainable copies in "
                        f"fp32 as LLaMA-Factory keeps them outside ZeRO-3: {cast}.")
-    done = engage.engage(model, cfg)
+    done = engage.engage(model, cfg, preference=preference)
     if done is None:
         return None
     if kind in (None, sharding.FSDP1, sharding.FSDP2):

@@ -3,7 +3,8 @@
 * a byte-level BPE tokenizer trained here with ``tokenizers`` on the dataset's own text, carrying
   the special tokens of LLaMA-Factory's ``llama3`` template (so nothing is resized);
 * a 2-layer Llama (hidden 64, random weights) saved with ``save_pretrained``;
-* 64 alpaca-style rows and the ``dataset_info.json`` that registers them as ``tiny_alpaca``.
+* 64 alpaca-style rows and the ``dataset_info.json`` that registers them as ``tiny_alpaca``, with pairwise
+  (``tiny_pairs``, ``ranking: true``) and KTO (``tiny_kto``) versions of them for the preference stages.
 
 Usage: python recipes/tiny_cpu/make_assets.py OUT_DIR [--model-type llama|qwen2] [--tied]
 """
@@ -40,6 +41,21 @@ def make_rows(n: int = 64, seed: int = 0, answer_words: tuple[int, int] = (6, 24
         a = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*answer_words)))
         rows.append({"instruction": f"Question {i}: {q}?", "input": "", "output": a.capitalize() + "."})
     return rows
+
+
+def make_preference_rows(rows: list[dict], seed: int = 1) -> tuple[list[dict], list[dict]]:
+    """Pairwise rows (``tiny_pairs``: the alpaca answer chosen, a shuffled one rejected) and KTO rows
+    (``tiny_kto``: every answer tagged desirable or not, alternately)."""
+    rng = random.Random(seed)
+    pairs, kto = [], []
+    for i, row in enumerate(rows):
+        words = row["output"].rstrip(".").split()
+        rng.shuffle(words)
+        rejected = " ".join(words[: max(2, len(words) - rng.randint(0, 3))]).capitalize() + "."
+        pairs.append({"instruction": row["instruction"], "input": "", "chosen": row["output"], "rejected": rejected})
+        kto.append({"instruction": row["instruction"], "input": "", "output": row["output"] if i % 2 == 0 else rejected,
+                    "kto_tag": i % 2 == 0})
+    return pairs, kto
 
 
 def make_tokenizer(texts: list[str], path: str, vocab_size: int = 384):
@@ -102,8 +118,18 @@ def main() -> None:
     rows = make_rows(args.rows, answer_words=tuple(args.answer_words))
     with open(os.path.join(args.out, "data", "tiny_alpaca.json"), "w") as f:
         json.dump(rows, f, indent=1)
+    pairs, kto = make_preference_rows(rows)
+    for name, data in (("tiny_pairs.json", pairs), ("tiny_kto.json", kto)):
+        with open(os.path.join(args.out, "data", name), "w") as f:
+            json.dump(data, f, indent=1)
     with open(os.path.join(args.out, "data", "dataset_info.json"), "w") as f:
-        json.dump({"tiny_alpaca": {"file_name": "tiny_alpaca.json"}}, f, indent=1)
+        json.dump({
+            "tiny_alpaca": {"file_name": "tiny_alpaca.json"},
+            "tiny_pairs": {"file_name": "tiny_pairs.json", "ranking": True, "columns": {
+                "prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected"}},
+            "tiny_kto": {"file_name": "tiny_kto.json", "columns": {
+                "prompt": "instruction", "query": "input", "response": "output", "kto_tag": "kto_tag"}},
+        }, f, indent=1)
     texts = [r["instruction"] + " " + r["output"] for r in rows[:64]] * 4
     model_dir = os.path.join(args.out, "model")
     tokenizer = make_tokenizer(texts, model_dir)
