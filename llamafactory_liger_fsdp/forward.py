@@ -55,16 +55,16 @@ def make_forward(causal_lm: nn.Module, head: Head, family: Family, backend: str 
     decoder_attr = family.decoder or causal_lm.base_model_prefix
 
     def fused(params: dict, extra: dict, labels, wrap_kernel=None, window=None):
-        """Decoder, fused loss and the family's terms; ``window`` (rows, K) restricts the loss to the last K
+        """Decoder, fused loss and the family's terms; ``window`` (rows, start, end) restricts the loss to those
         positions of those rows (the guard's slice)."""
         params, extra = dict(params), dict(extra)
         with_aux = families.aux_on(family, causal_lm.config, params, extra)
         outputs = getattr(causal_lm, decoder_attr)(**params, **extra)
         hidden, shift_labels = outputs.last_hidden_state, extra.get("shift_labels")
         if window is not None:
-            rows, k = window
-            hidden, labels = hidden[rows, -k:], labels[rows, -k:]
-            shift_labels = None if shift_labels is None else shift_labels[rows, -k:]
+            rows, start, end = window
+            hidden, labels = hidden[rows, start:end], labels[rows, start:end]
+            shift_labels = None if shift_labels is None else shift_labels[rows, start:end]
         loss = losses.causal_lm_loss(
             causal_lm, head, hidden, labels, kind=family.loss, shift_labels=shift_labels,
             num_items_in_batch=extra.get("num_items_in_batch"), ignore_index=extra.get("ignore_index", -100),
@@ -84,8 +84,7 @@ def make_forward(causal_lm: nn.Module, head: Head, family: Family, backend: str 
         outputs = getattr(causal_lm, decoder_attr)(**params, **extra)
         token_logps, sums = preference.token_logps(causal_lm, head, outputs.last_hidden_state, labels,
                                                    softcap=softcap, scale=scale, backend=backend)
-        vocab = causal_lm.get_output_embeddings().out_features
-        return preference.PreferenceOutput(logps=token_logps, logit_sums=sums, vocab_size=vocab)
+        return preference.pack(token_logps, sums, causal_lm.get_output_embeddings().out_features)
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any):

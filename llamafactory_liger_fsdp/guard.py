@@ -9,9 +9,9 @@ state is restored afterwards, so the real step draws what it would have drawn wi
   that keeps only the slice's positions, so the logits exist for the slice only;
 * the fused loss of :mod:`.forward` on the same inputs and positions.
 
-The slice: the last ``BUDGET`` (256) positions of the one row with the most labels there (Gemma 3's
-masked mean aligns its mask to the last positions of every row, so there: every row, ``BUDGET // B``
-positions). Text-only calls run both forwards on that row alone. Calls with other inputs (pixel values,
+The slice: up to ``BUDGET`` (256) positions of one row, ending at that row's last labelled position (a packed
+or right-padded row ends in padding), the row with the most labels in its slice (Gemma 3's masked mean aligns its
+mask to the last positions of every row, so there: the last ``BUDGET // B`` positions of every row). Text-only calls run both forwards on that row alone. Calls with other inputs (pixel values,
 grid sizes, (3, B, T) position ids, ...) run on the whole micro-batch: those tensors are not split by row
 (Qwen-VL flattens the patches of all images), so only the whole batch keeps images and image tokens
 consistent without family-specific slicing; the logits still exist for the slice only.
@@ -42,14 +42,25 @@ def bounds(dtype: torch.dtype) -> tuple[float, float]:
 
 
 def _window(family, labels: torch.Tensor, shift_labels, ignore_index: int):
-    """(row, or None for every row; K; labelled positions in the slice)."""
+    """(row, or None for every row; start; end; labelled positions in the slice). Hidden positions [start, end)
+    with ``labels[start:end]`` (shifted inside, as the model's own loss does) or ``shift_labels[start:end]``."""
     b, t = labels.shape
-    every = family.loss == "masked_mean"
-    k = min(t, max(2, BUDGET // b)) if every else min(t, BUDGET)
-    valid = ((shift_labels[:, -k:] if shift_labels is not None else labels[:, -k:][:, 1:]) != ignore_index).sum(dim=1)
-    if every:
-        return None, k, int(valid.sum())
-    return int(valid.argmax()), k, int(valid.max())
+    if family.loss == "masked_mean":
+        k = min(t, max(2, BUDGET // b))
+        valid = (labels[:, -k:][:, 1:] != ignore_index).sum()
+        return None, t - k, t, int(valid)
+    target = (shift_labels if shift_labels is not None else labels[:, 1:]) != ignore_index  # label of hidden p
+    best = (0, 0, min(t, BUDGET), 0)
+    for r in range(b):
+        where = target[r].nonzero()
+        if not where.numel():
+            continue
+        end = min(t, int(where.max()) + (1 if shift_labels is not None else 2))  # includes the last labelled one
+        start = max(0, end - BUDGET)
+        n = int(target[r, start:end - (0 if shift_labels is not None else 1)].sum())
+        if n > best[3]:
+            best = (r, start, end, n)
+    return best
 
 
 def _text_only(params: dict, extra: dict, b: int) -> bool:
@@ -74,18 +85,18 @@ class _Rng:
             torch.cuda.set_rng_state(self.cuda)
 
 
-def _original_loss(causal_lm, original, signature, params, extra, labels, rows, k):
+def _original_loss(causal_lm, original, signature, params, extra, labels, rows, start, end):
     """The model's own loss with its head applied to the slice only; None if it never calls the head."""
-    kwargs = {**params, **extra, "labels": labels[rows, -k:]}
+    kwargs = {**params, **extra, "labels": labels[rows, start:end]}
     if kwargs.get("shift_labels") is not None:
-        kwargs["shift_labels"] = kwargs["shift_labels"][rows, -k:]
+        kwargs["shift_labels"] = kwargs["shift_labels"][rows, start:end]
     if "skip_logits" in signature.parameters:  # Liger's lce_forward: its plain (logits) path
         kwargs["skip_logits"] = False
     seen = []
 
     def keep_slice(module, args):
         seen.append(args[0].dtype)
-        return (args[0][rows, -k:], *args[1:])
+        return (args[0][rows, start:end], *args[1:])
 
     handle = causal_lm.get_output_embeddings().register_forward_pre_hook(keep_slice)
     try:
@@ -95,7 +106,7 @@ def _original_loss(causal_lm, original, signature, params, extra, labels, rows, 
     return (loss, seen[0]) if len(seen) == 1 else (None, None)
 
 
-def _compare(causal_lm, original, signature, fused, params, extra, labels, r, k) -> tuple[float, str]:
+def _compare(causal_lm, original, signature, fused, params, extra, labels, r, start, end) -> tuple[float, str]:
     b = labels.shape[0]
     rows = slice(None) if r is None else slice(r, r + 1)
     where = f"every row of {b}" if r is None else f"row {r} of {b}"
@@ -108,11 +119,12 @@ def _compare(causal_lm, original, signature, fused, params, extra, labels, r, k)
     try:
         with torch.no_grad():
             try:
-                model_loss, dtype = _original_loss(causal_lm, original, signature, params, extra, labels, rows, k)
+                model_loss, dtype = _original_loss(causal_lm, original, signature, params, extra, labels, rows, start,
+                                                   end)
             except Exception as exc:  # the slice does not fit this model's own loss: its data is wrong too
                 return 1.0, f"the model's own forward failed on the slice ({type(exc).__name__}: {exc})"
             rng.restore()
-            fused_loss = fused(params, extra, labels, window=(rows, k)).loss
+            fused_loss = fused(params, extra, labels, window=(rows, start, end)).loss
     finally:
         rng.restore()
     if model_loss is None:
@@ -124,7 +136,7 @@ def _compare(causal_lm, original, signature, fused, params, extra, labels, r, k)
     rtol, atol = bounds(dtype)
     bound = rtol * abs(a) + atol
     text = (f"model's own loss {a:.7g}, fused loss {f:.7g} (|diff| {abs(f - a):.3g}, bound {bound:.3g} for "
-            f"{str(dtype).replace('torch.', '')}) on {where}, last {k} positions")
+            f"{str(dtype).replace('torch.', '')}) on {where}, positions {start}-{end - 1}")
     bad = not abs(f - a) <= bound  # NaN counts as a difference
     return float(bad), ("" if bad else "exact: ") + text
 
@@ -132,8 +144,8 @@ def _compare(causal_lm, original, signature, fused, params, extra, labels, r, k)
 def check(causal_lm, family, original, signature, fused, params: dict, extra: dict, labels: torch.Tensor) -> None:
     """Raise :class:`LigerFsdpConfigError` (on every rank) if the fused loss is not the model's own."""
     extra = {k: v for k, v in extra.items() if k != "num_items_in_batch"}
-    r, k, n = _window(family, labels, extra.get("shift_labels"), extra.get("ignore_index", -100))
-    bad, text = _compare(causal_lm, original, signature, fused, params, extra, labels, r, k)  # on every rank: FSDP
+    r, start, end, n = _window(family, labels, extra.get("shift_labels"), extra.get("ignore_index", -100))
+    bad, text = _compare(causal_lm, original, signature, fused, params, extra, labels, r, start, end)  # every rank
     if not n:  # collectives run in both forwards, so a rank without labels runs them too and only skips the verdict
         bad, text = 0.0, "not checked: no labelled position in the slice"
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:

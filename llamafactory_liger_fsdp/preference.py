@@ -33,9 +33,25 @@ LABELS_KEY = "liger_fsdp_logps_labels"
 class PreferenceOutput(ModelOutput):
     """What the fused forward returns for :data:`LABELS_KEY`: no logits."""
 
-    logps: torch.Tensor | None = None  # [B, T-1]
-    logit_sums: torch.Tensor | None = None  # [B, T], no gradient
+    logps: torch.Tensor | None = None  # [B, T-1], bf16 high part (gather.split_fp32)
+    logps_lo: torch.Tensor | None = None  # fp32 remainder: logps + logps_lo is the fp32 value
+    logit_sums: torch.Tensor | None = None  # [B, T], no gradient, high part
+    logit_sums_lo: torch.Tensor | None = None
     vocab_size: int | None = None  # the logits' last dimension
+
+
+def pack(logps: torch.Tensor, logit_sums: torch.Tensor, vocab_size: int) -> PreferenceOutput:
+    """The model output, each fp32 tensor as two parts that survive FSDP2's bf16 output cast of the root unit."""
+    from .gather import split_fp32
+
+    _, hi, lo = split_fp32(logps)
+    _, s_hi, s_lo = split_fp32(logit_sums)
+    return PreferenceOutput(logps=hi, logps_lo=lo, logit_sums=s_hi, logit_sums_lo=s_lo, vocab_size=vocab_size)
+
+
+def unpack(out: PreferenceOutput) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 per-token log-probs, fp32 per-position logit sums) of a model output."""
+    return out.logps.float() + out.logps_lo.float(), out.logit_sums.float() + out.logit_sums_lo.float()
 
 
 def _row_logit_sums(h: torch.Tensor, w: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -85,6 +101,7 @@ def sequence_logps(logps: torch.Tensor, labels: torch.Tensor, ld_alpha: float | 
     number of labels). The first half of the batch is chosen, the second rejected (for ``ld_alpha``)."""
     mask = labels[:, 1:] != ignore_index
     valid_length = mask.sum(-1)
+    logps = logps.float()  # FSDP2's mixed precision hands outputs back in bf16: sum in fp32, as LLaMA-Factory does
     if ld_alpha is None:
         return (logps * mask).sum(-1), valid_length
     half = labels.shape[0] // 2

@@ -92,9 +92,9 @@ def test_slice_is_one_row_of_at_most_budget_positions(monkeypatch, capsys):
     seen = []
     original = guard._original_loss
 
-    def spy(causal_lm, original_fwd, signature, params, extra, labels, rows, k):
-        seen.append((tuple(params["input_ids"].shape), rows, k))
-        return original(causal_lm, original_fwd, signature, params, extra, labels, rows, k)
+    def spy(causal_lm, original_fwd, signature, params, extra, labels, rows, start, end):
+        seen.append((tuple(params["input_ids"].shape), rows, end - start))
+        return original(causal_lm, original_fwd, signature, params, extra, labels, rows, start, end)
 
     monkeypatch.setattr(guard, "_original_loss", spy)
     _, cand = twin("llama", "mts")
@@ -118,3 +118,15 @@ def test_no_label_in_the_slice_is_not_a_failure(capsys):
 def test_bounds_stated():
     assert guard.bounds(torch.float32) == (1e-4, 1e-6)
     assert guard.bounds(torch.bfloat16) == guard.bounds(torch.float16) == (2e-2, 2e-3)
+
+
+def test_checks_a_packed_row_that_ends_in_padding(capsys):
+    """LLaMA-Factory's packing (and right padding) ends a row in unlabelled padding: the slice ends at the last
+    labelled position instead of finding nothing to check (seen on the H200 with packing at 16k tokens)."""
+    _, cand = twin("llama", "mts")
+    engage(cand, backend="torch")
+    batch = make_batch(batch=1, seq=400, ignore_frac=0.1)
+    batch["labels"][:, 300:] = -100  # 100 positions of padding at the end, more than 256 labelled before
+    cand(**batch)
+    err = capsys.readouterr().err
+    assert EXACT in err and "positions 44-299" in err, err

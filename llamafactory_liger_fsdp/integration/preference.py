@@ -55,13 +55,14 @@ def patch_dpo(module: Any) -> None:
                 batch = nested_detach(batch, clone=True)
             labels = batch.pop("labels")
             out = _call(model, batch, labels)
+            token_logps, sums = preference.unpack(out)
             ld_alpha = self.ld_alpha if not is_ref_model else None
-            all_logps, valid_length = preference.sequence_logps(out.logps, labels, ld_alpha=ld_alpha)
+            all_logps, valid_length = preference.sequence_logps(token_logps, labels, ld_alpha=ld_alpha)
             if self.loss_type in ["ipo", "orpo", "simpo"]:
                 all_logps = all_logps / valid_length
             batch_size = batch["input_ids"].size(0) // 2
             chosen_logps, rejected_logps = all_logps.split(batch_size, dim=0)
-            means = out.logit_sums.sum(-1) / (out.logit_sums.shape[-1] * out.vocab_size)  # = logits.mean() per row
+            means = sums.sum(-1) / (sums.shape[-1] * out.vocab_size)  # = logits.mean() per row
             chosen_logits, rejected_logits = means.split(batch_size, dim=0)
             chosen_length, _ = valid_length.split(batch_size, dim=0)
             average = self.loss_type in ["ipo", "orpo", "simpo"]
@@ -97,9 +98,9 @@ def patch_kto(module: Any) -> None:
             inputs = {name: batch[f"{prefix}{name}" if prefixed else name] for name, prefixed in _KTO_INPUTS
                       if (f"{prefix}{name}" if prefixed else name) in batch}
             labels = batch[f"{prefix}labels"]
-            out = _call(model, inputs, labels)
-            logps, valid_length = preference.sequence_logps(out.logps, labels)
-            return out.logit_sums.sum(-1), logps, logps / valid_length  # logits.nansum() per row, as LF logs it
+            token_logps, sums = preference.unpack(_call(model, inputs, labels))
+            logps, valid_length = preference.sequence_logps(token_logps, labels)
+            return sums.sum(-1), logps, logps / valid_length  # logits.nansum() per row, as LF logs it
 
         return forward
 
