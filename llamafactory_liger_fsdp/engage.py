@@ -116,7 +116,9 @@ def sharding_label(causal_lm: nn.Module, decided) -> str:
 def engaged_line(causal_lm: nn.Module, done: Engaged) -> str:
     found = list({id(u): u for p in done.head.weight_paths for u in gather.units(causal_lm, p)}.values())
     label = sharding_label(causal_lm, done.config.sharding)
-    device = next(causal_lm.get_output_embeddings().parameters()).device  # not `.weight`: see gather.param
+    # the kernel's device, without reading `.weight` (gather.param); a flat FSDP1 head has no parameter of its own
+    anywhere = (*causal_lm.get_output_embeddings().parameters(), *causal_lm.parameters(), torch.empty(0))
+    device = anywhere[0].device
     backend = losses.resolve_backend(done.config.backend, device)
     if found:
         names = ", ".join(gather.unit_names(causal_lm, found))
