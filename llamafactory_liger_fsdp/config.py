@@ -18,8 +18,8 @@ KEYS = {
     "liger_fsdp": "true/false: compute the causal-LM loss with the fused linear cross-entropy, through the FSDP units "
     "or DeepSpeed modules that own the trained lm_head.",
     "liger_fsdp_backend": "auto/triton_fast/triton/torch: kernel of the fused loss. auto = triton_fast on CUDA "
-    "(gradients in forward; ~2.5 GiB working memory at 16k tokens x 128k vocab), torch elsewhere; "
-    "triton = lean (0.2-0.6 GiB, gradients recomputed in backward, slower).",
+    "(gradients in forward; about 3.3 GiB working memory at a 128k vocabulary, 6.6 GiB at 262k), torch elsewhere; "
+    "triton = lean (0.4-0.7 GiB, gradients recomputed in backward, 1.21-1.29x the matmul floor).",
     "liger_fsdp_memory_report": "true/false (default false): on step 1 (rank 0) log the memory the fused kernel "
     "really used, measured by tracking its tensor allocations; the CUDA peak-memory counters are never reset.",
     "liger_fsdp_guard": "true/false (default true): on step 1 (every rank) compare the fused loss with the model's own "

@@ -99,9 +99,9 @@ def check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, lis
     if decision.not_engaged:
         return True, lines + [f"not engaged: {decision.not_engaged}; the plain loss has nothing to fix (the run trains)."]
     if getattr(training_args, "label_smoothing_factor", 0):
-        lines.append(f"label_smoothing_factor {training_args.label_smoothing_factor}: the Trainer pops the labels and "
-                     "smooths the full logits itself, so the fused path is bypassed (the run trains correctly, without "
-                     "the memory saving).")
+        lines.append(f"label_smoothing_factor {training_args.label_smoothing_factor}: the fused kernel computes the "
+                     "smoothed loss for causal-LM classes; for image-text classes the Trainer smooths the full logits "
+                     "itself and the fused path is bypassed (the run trains correctly, without the memory saving).")
     if decision.head:
         lines.append(f"will engage: {decision.head} (decided on the meta-device model LLaMA-Factory would build).")
     if cfg.sharding.fsdp_version:

@@ -42,7 +42,8 @@ class ForwardState:
 
 NO_LABELS = ("[liger_fsdp] training forward without labels: the fused path is bypassed for it and the model computes "
              "its full logits (the run trains correctly, without the memory saving). The usual cause is "
-             "`label_smoothing_factor > 0`: the Trainer then pops the labels and smooths the logits itself.")
+             "`label_smoothing_factor > 0` on an image-text class: the Trainer then pops the labels and smooths the "
+             "logits itself (for causal-LM classes the plugin keeps the labels and the kernel smooths).")
 
 
 def make_forward(causal_lm: nn.Module, head: Head, family: Family, backend: str | None, state: ForwardState):

@@ -20,6 +20,7 @@ accelerate (:mod:`.accelerate`, once a model engaged under FSDP):
 transformers (:mod:`.trainer`, FSDP2 + adapter, only where the installed accelerate needs it):
 
 6. ``transformers.trainer.save_fsdp_model`` / ``load_fsdp_model`` -- :mod:`..checkpoint.repair`.
+9. ``transformers.Trainer.__init__`` -- ``label_smoothing_factor > 0``: the kernel smooths, the labels stay.
 
 LLaMA-Factory's preference trainers (:mod:`.preference`, patched as their modules load):
 

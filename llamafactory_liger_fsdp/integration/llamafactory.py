@@ -131,6 +131,7 @@ def engage_model(model: Any, cfg: config.LigerFsdpConfig, liger: bool = False, p
         accelerate.patch_wrap_policies()
     if kind in (None, sharding.FSDP2):
         trainer.patch_checkpointing(cfg)
+    trainer.patch_label_smoothing()
     _patch.log_once()
     if liger:
         info_rank0("[liger_fsdp] enable_liger_kernel: Liger's fused linear cross entropy is bypassed for this model "
