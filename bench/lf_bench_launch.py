@@ -106,6 +106,26 @@ def _liger_loss_only():
         setattr(lt, name, functools.partial(fn, rope=False, rms_norm=False, swiglu=False))
 
 
+def _fp32_copies():
+    """Runs without the plugin under the plugin's ZeRO-3 dtype policy (trainable copies in fp32, fp32 islands):
+    the unfused baseline of the same setup (as shipped, LLaMA-Factory's bf16 ZeRO-3 run with trained copies stops
+    in DeepSpeed's defragment assertion)."""
+    import importlib
+
+    from llamafactory_liger_fsdp import precision
+
+    for name in ("llamafactory.train.sft.workflow", "llamafactory.train.dpo.workflow"):
+        module = importlib.import_module(name)
+        original = module.load_model
+
+        def load_model(*args, _original=original, **kwargs):
+            model = _original(*args, **kwargs)
+            print(f"[lf_bench] fp32 copies: {precision.unify_trainable_dtype(model)}", flush=True)
+            return model
+
+        module.load_model = load_model
+
+
 def main():
     yaml_path, out = sys.argv[1], sys.argv[2]
     sys.argv = [sys.argv[0], yaml_path]
@@ -135,6 +155,8 @@ def main():
     accelerate.Accelerator.backward = timed_backward
     if os.environ.get("LF_BENCH_LIGER_LOSS_ONLY") == "1":
         _liger_loss_only()
+    if os.environ.get("LF_BENCH_FP32_COPIES") == "1":
+        _fp32_copies()
     from llamafactory.train.tuner import run_exp
 
     run_exp(callbacks=[BenchCallback(out, micro)])

@@ -30,10 +30,11 @@ VARIANTS = {
     "liger_fsdp_fast": {"liger_fsdp": True, "liger_fsdp_backend": "triton_fast"},
     "liger": {"enable_liger_kernel": True},
     "liger+liger_fsdp": {"enable_liger_kernel": True, "liger_fsdp": True},  # Liger's other kernels, our loss
+    "liger_fsdp_noguard": {"liger_fsdp": True, "liger_fsdp_guard": False},  # the step-1 guard's cost
 }
 
 
-def build(work, name, spec, layers):
+def build(work, name, spec, layers, rows=400, answer_words=(300, 500)):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -41,7 +42,7 @@ def build(work, name, spec, layers):
     if os.path.exists(os.path.join(mdir, "model", "config.json")):
         return mdir
     subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "tiny_cpu", "make_assets.py"), mdir, "--no-model",
-                    "--rows", "400", "--answer-words", "300", "500"], check=True)
+                    "--rows", str(rows), "--answer-words", *map(str, answer_words)], check=True)
     tok = AutoTokenizer.from_pretrained(os.path.join(mdir, "model"))
     kw = {k: v for k, v in spec.items() if k not in ("model_type", "layer")}
     config = AutoConfig.for_model(spec["model_type"], num_hidden_layers=layers, max_position_embeddings=32768,
@@ -85,6 +86,7 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
             cfg[key] = {**cfg[key], **value}
         else:
             cfg[key] = value
+    cfg = {k: v for k, v in cfg.items() if v is not None}  # an override of None removes the key
     import yaml
 
     os.makedirs(out, exist_ok=True)
@@ -119,7 +121,8 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
     seen = [s["tokens_seen"] for s in steps]
     # tokens_seen counts every rank's tokens
     per_step = (seen[-1] - seen[0]) / max(len(seen) - 1, 1) if seen[-1] else cutoff * nproc
-    row.update(tokens_per_step=per_step, step_s=statistics.median(times), tokens_per_s=per_step / statistics.median(times),
+    row.update(step_times=[s["s"] for s in steps], step1_peak_gib=steps[0]["peak_mib"] / 1024,
+               tokens_per_step=per_step, step_s=statistics.median(times), tokens_per_s=per_step / statistics.median(times),
                tokens_per_s_per_gpu=per_step / statistics.median(times) / nproc,
                peak_gib=max(s["peak_mib"] for s in res["steps"]) / 1024, losses=res["losses"],
                step_losses=res.get("step_losses"), peak_gib_per_rank=[m / 1024 for m in res.get("peak_mib_per_rank", [])],

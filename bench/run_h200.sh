@@ -3,6 +3,7 @@
 #   bash bench/run_h200.sh kernel   # real-size kernel checks + the FLCE benchmark + CPU parity tests on the image's newer stack
 #   bash bench/run_h200.sh sft      # real-size LLaMA-Factory SFT runs (bench/real_size_sft.py)
 #   bash bench/run_h200.sh all      # kernel benchmark + checks, then the SFT runs
+#   bash bench/run_h200.sh reach zero3|dpo   # bench/reach_h200.py: ZeRO-3 SFT, DPO, the guard's cost
 #   bash bench/run_h200.sh multi    # bench/multi_gpu_fsdp.py on every GPU of the machine (on one GPU:
 #                                   # FSDP2 at world size 1, 20-step curves, as far as one GPU goes)
 # Wheels that the image lacks travel in .whl/ (see bench/RESULTS.md); results go to $OUT (or bench/results).
@@ -26,12 +27,17 @@ case "${1:-kernel}" in
     OUT=$OUT bash "$0" kernel-only
     OUT=$OUT bash "$0" sft
     ;;
-  sft|multi)
+  sft|multi|reach)
     # the plugin itself is pip-installed for real (its .pth hook must land in site-packages)
     python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/llamafactory_liger_fsdp-*.whl || exit 1
     install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
     export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
     python3 -c "import transformers,peft,accelerate,llamafactory;print(transformers.__version__,peft.__version__,accelerate.__version__,llamafactory.__version__)"
+    if [ "$1" = reach ]; then
+      timeout 570 python3 bench/reach_h200.py "$2" --out "$OUT/h200_reach_$2.json" ${REACH_ARGS:-} 2>&1 | tee "$OUT/reach_$2.log"
+      tail -c 6000 /tmp/real_size/*.log > "$OUT/reach_$2_runs.log" 2>/dev/null
+      exit 0
+    fi
     if [ "$1" = multi ]; then
       nproc=$(nvidia-smi -L | wc -l)
       if [ "$nproc" -ge 2 ]; then

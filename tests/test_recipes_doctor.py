@@ -33,7 +33,7 @@ def test_there_are_recipes():
     names = {os.path.relpath(p, ROOT) for p in RECIPES}
     assert {"recipes/llama3_8b_lora_fsdp1.yaml", "recipes/llama3_8b_lora_fsdp2.yaml", "recipes/qwen2_5_7b_lora_fsdp1.yaml",
             "recipes/qwen2_5_7b_lora_fsdp2.yaml", "recipes/llama3_8b_lora_head_fsdp2.yaml", "recipes/tiny_cpu/sft.yaml",
-            "recipes/qwen2_5_7b_lora_zero3.yaml"} <= names
+            "recipes/qwen2_5_7b_lora_zero3.yaml", "recipes/qwen2_5_7b_lora_dpo_fsdp2.yaml"} <= names
 
 
 def _parse(path, monkeypatch, env=None):
@@ -76,7 +76,7 @@ def test_recipe_parses_with_torchrun(path, monkeypatch):
     cfg = yaml.safe_load(text)
     *_, finetuning_args, _ = _parse(path, monkeypatch)
     plugin = config.get_config(finetuning_args)
-    assert plugin.enabled is True and finetuning_args.stage == "sft"
+    assert plugin.enabled is True and finetuning_args.stage == cfg["stage"]
     if cfg.get("fsdp"):
         assert plugin.sharding.fsdp_version == cfg["fsdp_config"]["version"]
 
