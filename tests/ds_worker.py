@@ -14,7 +14,6 @@ Run: python tests/ds_worker.py OUT.json CASE [CASE ...]   (CASE: family:head:sta
 from __future__ import annotations
 
 import copy
-import json
 import os
 import socket
 import sys
@@ -24,6 +23,8 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from support.dist import finish  # noqa: E402
 
 STEPS = 3
 LR = 0.05
@@ -138,27 +139,15 @@ def _worker(rank: int, world: int, port: int, cases: list[str], out: str) -> Non
                       MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
     torch.set_num_threads(1)
     import deepspeed
-    import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
     results = []
-    try:
-        for case in cases:
-            try:
-                results.append(run_case(case, rank, world))
-            except Exception:
-                results.append({"case": case, "error": traceback.format_exc()})
-        gathered = [None] * world
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(gathered, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip C++ static destructors (gloo teardown race; see fsdp_worker)
+    for case in cases:
+        try:
+            results.append(run_case(case, rank, world))
+        except Exception:
+            results.append({"case": case, "error": traceback.format_exc()})
+    finish(results, out)
 
 
 def run(cases: list[str], out: str, world: int = 2) -> None:

@@ -13,7 +13,6 @@ Run: python tests/fsdp_worker.py MODE OUT.json CASE [CASE ...]   (MODE: fsdp1_or
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from support.dist import finish  # noqa: E402
 
 STEPS = 3
 LR = 0.05
@@ -211,28 +212,12 @@ def _worker(rank: int, world: int, init_file: str, mode: str, cases: list[str], 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = []
-    try:
-        for case in cases:
-            try:
-                results.append(run_case(case, mode, rank, world))
-            except Exception:
-                results.append({"case": case, "mode": mode, "error": traceback.format_exc()})
-        gathered = [None] * world
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(gathered, f)
-        # Both ranks leave the last collective together: a rank that tears gloo
-        # down while its peer still has a pending send/recv thread aborts with
-        # "terminate called without an active exception" (seen in CI).
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # Skip C++ static destructors at interpreter exit (gloo's background
-    # threads can still be joinable then); everything worth keeping is written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    for case in cases:
+        try:
+            results.append(run_case(case, mode, rank, world))
+        except Exception:
+            results.append({"case": case, "mode": mode, "error": traceback.format_exc()})
+    finish(results, out)
 
 
 def run(mode: str, cases: list[str], out: str, world: int = 2) -> None:

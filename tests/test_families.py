@@ -13,7 +13,7 @@ import torch
 from llamafactory_liger_fsdp import families
 from llamafactory_liger_fsdp.config import LigerFsdpConfig, LigerFsdpConfigError
 from llamafactory_liger_fsdp.engage import engage
-from llamafactory_liger_fsdp.testing import ALL, FAMILY_CONFIGS, make_inputs, make_model, make_peft, rel, twin
+from llamafactory_liger_fsdp.testing import ALL, FAMILY_CONFIGS, make_inputs, make_model, rel, twin
 from llamafactory_liger_fsdp.testing.configs import VLM
 from support import names_key_and_fix
 

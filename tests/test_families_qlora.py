@@ -83,14 +83,9 @@ def _rank(rank, world, init, path, out):
     grads = {n: rel(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad, named[n].grad)
              for n, p in cand.named_parameters() if p.grad is not None}
     result = dict(loss_rel=abs(loss.item() - ref(**batches[rank]).loss.item()) / loss.item(), grads=grads)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(gathered, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    from support.dist import finish
+
+    finish(result, out)
 
 
 @pytest.mark.slow
