@@ -56,12 +56,22 @@ def _parse(path: str, overrides: list[str], machine_overrides: dict | None = Non
 
 
 def check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, list[str]]:
+    """(would train, report lines). The plugin's own log lines are quiet meanwhile (a clean report)."""
+    from ._log import logger
+
+    level = logger.level
+    logger.setLevel("WARNING")
+    try:
+        return _check_yaml(path, overrides)
+    finally:
+        logger.setLevel(level)
+
+
+def _check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, list[str]]:
     """(would train, report lines)."""
     from . import config, predict
-    from ._log import logger
     from .config import LigerFsdpConfigError
 
-    logger.setLevel("WARNING")  # the report is not interleaved with the plugin's training-time lines
     lines: list[str] = []
     overrides = list(overrides or [])
     try:

@@ -157,6 +157,7 @@ def test_doctor_names_family_class_quirks_guard_and_label_smoothing(tmp_path, mo
 
     out = run("qwen2_vl", label_smoothing_factor=0.1)
     assert "model class Qwen2VLForConditionalGeneration" in out and "guard on" in out
-    assert "label_smoothing_factor 0.1: the Trainer pops the labels" in out and "will engage: head=modules_to_save" in out
+    assert "label_smoothing_factor 0.1: the fused kernel computes the smoothed loss for causal-LM classes; for " \
+        "image-text classes the Trainer smooths" in out and "will engage: head=modules_to_save" in out
     out = run("granite", liger_fsdp_guard=False)
     assert "model type granite (quirks: logits / 4 (config.logits_scaling))." in out and "guard off" in out
