@@ -10,8 +10,8 @@ HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def kernel_table():
-    rows = json.load(open(os.path.join(HERE, "h200.json")))
-    meta = json.load(open(os.path.join(HERE, "h200_meta.json")))
+    rows = json.load(open(os.path.join(HERE, "h200_kernel2.json")))
+    meta = json.load(open(os.path.join(HERE, "h200_kernel2_meta.json")))
     print(f"Card: {meta['card']}, {meta['date']}; torch {meta['torch']}, triton {meta['triton']}, liger-kernel "
           f"{meta['liger_kernel']}, cut-cross-entropy {meta['cut_cross_entropy']}; bf16 matmul "
           f"{meta['bf16_matmul_tflops']:.0f} TFLOP/s (8192^3, same run).\n")
