@@ -8,7 +8,11 @@ loss and every trainable gradient after step 1 (``safe_get_full_grad``), every p
 (``safe_get_full_fp32_param``), and proof of partitioning (the head weight is an empty placeholder outside the
 forward under ZeRO-3, whole under ZeRO-0/1/2).
 
-Run: python tests/ds_worker.py OUT.json CASE [CASE ...]   (CASE: family:head:stage[:offload], e.g. llama:mts:3:param)
+A case ending in ``:liger`` runs Liger-Kernel's own fused loss instead of the plugin (its class-level forward for
+Llama, applied as LLaMA-Factory applies it; fused loss only, under ``TRITON_INTERPRET=1``): what a user without the
+plugin gets under ZeRO-3.
+
+Run: python tests/ds_worker.py OUT.json CASE [CASE ...]   (CASE: family:head:stage[:offload][:liger], e.g. llama:mts:3:param)
 """
 
 from __future__ import annotations
@@ -79,6 +83,28 @@ def _watch_head(causal_lm, done, seen: dict) -> None:
     causal_lm.get_input_embeddings().register_forward_hook(forward_hook)
 
 
+_ORIGINAL: dict = {}
+
+
+def _liger(ref, cand):
+    """Liger's fused loss as LLaMA-Factory installs it (class forward; fused loss only: its other Triton kernels do
+    not run on the CPU); the reference keeps the original forward. Returns what the result needs of the head."""
+    import types
+    from types import SimpleNamespace
+
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM
+
+    from llamafactory_liger_fsdp import heads
+    from llamafactory_liger_fsdp.engage import causal_lm_of
+
+    original = _ORIGINAL.setdefault("forward", LlamaForCausalLM.forward)  # before the first case patched the class
+    apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True)
+    reference = causal_lm_of(ref)
+    reference.forward = types.MethodType(original, reference)
+    return SimpleNamespace(head=heads.detect(causal_lm_of(cand))), lambda causal_lm, done: "Liger's own fused loss"
+
+
 def run_case(case: str, rank: int, world: int) -> dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
@@ -87,11 +113,16 @@ def run_case(case: str, rank: int, world: int) -> dict:
     from llamafactory_liger_fsdp.testing import make_batch, make_model, make_peft, rel
 
     family, kind, stage, *rest = case.split(":")
+    liger = rest[-1:] == ["liger"]
+    rest = rest[:-1] if liger else rest
     stage, offload = int(stage), (rest[0] if rest else "none")
     ref = make_peft(make_model(family, seed=0), kind)
     cand = copy.deepcopy(ref)
     ref.train(), cand.train()
-    done = engage(cand, backend="torch")
+    if liger:
+        done, engaged_line = _liger(ref, cand)
+    else:
+        done = engage(cand, backend="torch")
     assert done is not None, "plugin did not engage"
     trainable = [(n, p) for n, p in cand.named_parameters() if p.requires_grad]
     seen: dict = {"embed_forward": [], "embed_backward": []}
@@ -116,7 +147,9 @@ def run_case(case: str, rank: int, world: int) -> dict:
             result["loss_rel"] = abs(float(loss) - ref_losses[rank]) / abs(ref_losses[rank])
             ref_named = dict(ref.named_parameters())
             grads = {n: safe_get_full_grad(p) for n, p in trainable}
-            result["grad_rels"] = {n: (rel(g, ref_named[n].grad) if g is not None else float("inf")) for n, g in grads.items()}
+            result["grad_rels"] = {n: rel(g, ref_named[n].grad) if g is not None and ref_named[n].grad is not None
+                                   else (0.0 if g is None and ref_named[n].grad is None else float("inf"))
+                                   for n, g in grads.items()}
         engine.step()
         opt_ref.step()
         opt_ref.zero_grad()
@@ -135,6 +168,8 @@ def run_case(case: str, rank: int, world: int) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, cases: list[str], out: str) -> None:
+    if any(case.endswith(":liger") for case in cases):
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: Liger's kernel on CPU tensors
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
     torch.set_num_threads(1)

@@ -39,7 +39,7 @@ def results(tmp_path_factory):
             )
             assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
             ranks = json.loads(out.read_text())
-            cache[mode] = None, ranks
+            cache[mode] = ranks
         return cache[mode]
 
     return get
@@ -64,13 +64,13 @@ def _check(result, mode, case):
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("mode", ["fsdp1_flat", "fsdp1_orig", "fsdp2"])
 def test_sharded_parity(results, mode, case):
-    by_case, ranks = results(mode)
+    ranks = results(mode)
     for rank_results in ranks:  # every rank, not only rank 0
         _check({r["case"]: r for r in rank_results}[case], mode, case)
 
 
 @pytest.mark.parametrize("case", DDP_CASES)
 def test_ddp_parity(results, case):
-    by_case, ranks = results("ddp")
+    ranks = results("ddp")
     for rank_results in ranks:
         _check({r["case"]: r for r in rank_results}[case], "ddp", case)

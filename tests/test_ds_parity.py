@@ -50,3 +50,33 @@ def test_zero_parity(ranks, case):
         else:  # ZeRO-0/1/2 partition optimizer state and gradients, never the weights
             assert proof["head_numel_outside_forward"] == proof["head_full_numel"] and proof["units"] == 0, proof
             assert "on the whole (unpartitioned) head weight" in result["engaged"], result["engaged"]
+
+
+LIGER = ["llama:mts:3:liger", "llama:lora:3:liger"]
+
+
+@pytest.fixture(scope="module")
+def liger_ranks(tmp_path_factory):
+    pytest.importorskip("liger_kernel")
+    out = tmp_path_factory.mktemp("ds_liger") / "out.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "ds_worker.py"), str(out), *LIGER],
+                          capture_output=True, text=True, timeout=1200, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return {r["case"]: r for r in json.loads(out.read_text())[0]}
+
+
+def test_liger_under_zero3_what_users_get_without_the_plugin(liger_ranks):
+    """Liger-Kernel's own fused loss under ZeRO-3 (its class forward, as LLaMA-Factory applies it): with a trained
+    modules_to_save head it is exact, but reading the weight inside the model's forward registers it with the whole
+    model, so from step 2 on it stays gathered while the embedding runs, forward and backward; with LoRA on the head
+    it silently uses the base weight: the loss is off and the head's LoRA weights get no gradient."""
+    mts, lora = liger_ranks["llama:mts:3:liger"], liger_ranks["llama:lora:3:liger"]
+    assert "error" not in mts and "error" not in lora, (mts.get("error"), lora.get("error"))
+    assert mts["loss_rel"] <= TOL and max(mts["grad_rels"].values()) <= TOL
+    seen = mts["head_while_embedding"]
+    assert seen["embed_forward"][0] == ["NOT_AVAILABLE"] and all("AVAILABLE" in s for s in seen["embed_forward"][1:])
+    assert all("AVAILABLE" in s for s in seen["embed_backward"])
+    assert lora["loss_rel"] > 1e-3, lora["loss_rel"]
+    head = {n: r for n, r in lora["grad_rels"].items() if "lm_head.lora_" in n}
+    assert head and all(r == 1.0 for r in head.values()), head  # zero gradient: never trained
