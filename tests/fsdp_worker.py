@@ -154,7 +154,7 @@ def _sharding_proof(model, plan, mode) -> dict:
 
 
 def run_case(case: str, mode: str, rank: int, world: int) -> dict:
-    from llamafactory_liger_fsdp.testing import make_batch, make_model, make_peft, rel
+    from llamafactory_liger_fsdp.testing import make_inputs, make_model, make_peft, rel
 
     from llamafactory_liger_fsdp.engage import engage
 
@@ -171,7 +171,7 @@ def run_case(case: str, mode: str, rank: int, world: int) -> dict:
     opt = torch.optim.SGD([p for p in sharded.parameters() if p.requires_grad], lr=LR)
     result = {"case": case, "mode": mode, "plan_kind": plan.head.kind, "tied": plan.head.tied}
     for step in range(STEPS):
-        batches = [make_batch(seed=100 * step + r) for r in range(world)]
+        batches = [make_inputs(family, seed=100 * step + r) for r in range(world)]  # images for a VLM
         # reference: mean over the ranks' losses, one process, unfused
         ref_losses = []
         for b in batches:

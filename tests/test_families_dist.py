@@ -1,7 +1,7 @@
 """2 gloo ranks (CPU), through tests/fsdp_worker.py: a vision-language model (Qwen2-VL), MoE families
 (aux loss on) and a head with a bias, under FSDP2 and FSDP1 (flat parameters), against the unsharded unfused
 single-process reference (fp32, rel <= 1e-5). The step-1 guard runs on every rank (on by default) and its
-all-reduced verdict must pass. The worker feeds text batches (images need a worker change: make_inputs)."""
+all-reduced verdict must pass. The worker feeds each family its own batches (images for Qwen2-VL)."""
 
 import json
 import os
