@@ -6,7 +6,7 @@ the 2-GPU run needs is kept working too.
   policy crashes on a Qwen2 head: `size mismatch ... vec (<V*H/2>)` with `use_orig_params: true`,
   the in-place view error with `use_orig_params: false`.
 * `liger_fsdp: true` beside `enable_liger_kernel: true` trains, and its per-step losses equal the
-  plain (unfused) run's; FSDP1 and FSDP2 curves of `liger_fsdp: true` equal the plain ones.
+  plain (unfused) run's; the FSDP1 curve of `liger_fsdp: true` equals the plain one (FSDP2: test_e2e_cli).
 """
 
 import json
@@ -31,7 +31,7 @@ def smoke(tmp_path_factory):
     env = dict(os.environ, PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
     env.pop("ALLOW_EXTRA_ARGS", None)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "multi_gpu_fsdp.py"), "--cpu-smoke", "--cpu-shim", str(ROOT / "tests" / "cpu_fsdp_shim"), "--parts", "repro,curves",
+        [sys.executable, str(ROOT / "bench" / "multi_gpu_fsdp.py"), "--cpu-smoke", "--cpu-shim", str(ROOT / "tests" / "cpu_fsdp_shim"), "--parts", "repro,curves", "--fsdp", "1",
          "--work", str(work), "--out", str(out)],
         capture_output=True, text=True, timeout=900, env=env,
     )
@@ -63,7 +63,7 @@ def test_plugin_beside_liger_trains_exactly(smoke):
         assert abs(a - b) <= 1e-5 * abs(b)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1])  # FSDP2 curves: tests/test_e2e_cli.py (flag on vs off, 6 steps)
 def test_curves_match_plain(smoke, version):
     rows, stdout = smoke
     ours = rows[("curves", "liger_fsdp", version)]
