@@ -411,16 +411,21 @@ def _row_coefficients(grad_loss, idx, all_valid, reduction, n_valid):
 
 
 # --------------------------------------------------------------------------- autograd
+def _valid_rows(labels: torch.Tensor, ignore_index: int):
+    """(indices of the rows whose label is not ignored, their count, whether that is every row, their labels)."""
+    idx = (labels != ignore_index).nonzero().squeeze(1)
+    n_valid = int(idx.numel())
+    all_valid = n_valid == labels.shape[0]
+    return idx, n_valid, all_valid, (labels if all_valid else labels.index_select(0, idx))
+
+
 class _LeanFLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, cfg):
         ignore_index, reduction, softcap, eps, budget = cfg
         n, h = hidden.shape
         v = weight.shape[0]
-        idx = (labels != ignore_index).nonzero().squeeze(1)
-        n_valid = int(idx.numel())
-        all_valid = n_valid == n
-        y_valid = labels if all_valid else labels.index_select(0, idx)
+        idx, n_valid, all_valid, y_valid = _valid_rows(labels, ignore_index)
         if isinstance(budget, tuple):
             v_s, r = (max(1, t) for t in budget)
         else:
@@ -527,10 +532,7 @@ class _FastFLCE(torch.autograd.Function):
         n, h = hidden.shape
         v = weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        idx = (labels != ignore_index).nonzero().squeeze(1)
-        n_valid = int(idx.numel())
-        all_valid = n_valid == n
-        y_valid = labels if all_valid else labels.index_select(0, idx)
+        idx, n_valid, all_valid, y_valid = _valid_rows(labels, ignore_index)
         dtype = ctx.dtype = hidden.dtype
         S = _dz_scale(dtype)
         dh_raw = torch.empty(n_valid, h, device=hidden.device, dtype=torch.float32) if need_h else None
@@ -600,10 +602,7 @@ class _FastFLCE(torch.autograd.Function):
 def _forward_only(hidden, weight, labels, ignore_index, reduction, softcap, eps, mem_budget):
     n, h = hidden.shape
     v = weight.shape[0]
-    idx = (labels != ignore_index).nonzero().squeeze(1)
-    n_valid = int(idx.numel())
-    all_valid = n_valid == n
-    y_valid = labels if all_valid else labels.index_select(0, idx)
+    idx, n_valid, all_valid, y_valid = _valid_rows(labels, ignore_index)
     if isinstance(mem_budget, tuple):
         v_s, r = mem_budget
     else:
