@@ -9,6 +9,7 @@ training step rank 0 logs the engaged line (sharding, head, kernel, the units th
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -100,9 +101,8 @@ def _first_step(causal_lm: nn.Module):
     return None
 
 
-def sharding_label(causal_lm: nn.Module, decided) -> str:
-    """The decided sharding, checked against what the live model is."""
-    seen = sharding.observed(causal_lm)
+def sharding_label(decided, seen: str | None) -> str:
+    """The decided sharding, checked against what the live model is (``sharding.observed``)."""
     if decided is None:
         if seen:
             return seen
@@ -115,18 +115,18 @@ def sharding_label(causal_lm: nn.Module, decided) -> str:
 
 def engaged_line(causal_lm: nn.Module, done: Engaged) -> str:
     found = list({id(u): u for p in done.head.weight_paths for u in gather.units(causal_lm, p)}.values())
-    label = sharding_label(causal_lm, done.config.sharding)
+    seen = sharding.observed(causal_lm)
+    label = sharding_label(done.config.sharding, seen)
     # the kernel's device, without reading `.weight` (gather.param); a flat FSDP1 head has no parameter of its own
-    anywhere = (*causal_lm.get_output_embeddings().parameters(), *causal_lm.parameters(), torch.empty(0))
-    device = anywhere[0].device
-    backend = losses.resolve_backend(done.config.backend, device)
+    first = next(itertools.chain(causal_lm.get_output_embeddings().parameters(), causal_lm.parameters()), None)
+    backend = losses.resolve_backend(done.config.backend, first.device if first is not None else torch.device("cpu"))
     if found:
         names = ", ".join(gather.unit_names(causal_lm, found))
         if any(thirdparty.is_fsdp1(u) or thirdparty.is_fsdp2(u) for u in found):
             where = f"through {len(found)} FSDP unit(s) ({names})"
         else:
             where = f"through DeepSpeed's gather hooks of {len(found)} module(s) ({names})"
-    elif sharding.observed(causal_lm) in ("FSDP1", "FSDP2"):
+    elif seen in ("FSDP1", "FSDP2"):
         where = "inside the root unit"
     else:
         where = "on the whole (unpartitioned) head weight"

@@ -167,8 +167,6 @@ def call_through(found: Iterable[nn.Module], fn: Callable, *args: Any) -> Any:
     """Run ``fn(*args)`` inside the forward of every unit in ``found`` (outermost first). fp32 results cross FSDP2
     units as :func:`split_fp32` limbs, so a unit's mixed-precision output cast does not round them."""
     found = list(found)
-    if not found:
-        return fn(*args)
     if any(thirdparty.is_fsdp2(u) for u in found):
         return join_fp32(_call(found, lambda *a: _split_all(fn(*a)), args))
     return _call(found, fn, args)

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from support.dist import finish  # noqa: E402
+from support.dist import finish, reference_step  # noqa: E402
 
 STEPS = 3
 LR = 0.05
@@ -135,11 +135,7 @@ def run_case(case: str, rank: int, world: int) -> dict:
     result = {"case": case, "kind": done.head.kind, "proof": _proof(causal_lm, done)}
     for step in range(STEPS):
         batches = [make_batch(batch=MICRO, seed=100 * step + r) for r in range(world)]
-        ref_losses = []
-        for b in batches:
-            loss_r = ref(**b).loss / world
-            loss_r.backward()
-            ref_losses.append(float(loss_r) * world)
+        ref_losses = reference_step(ref, batches)
         loss = engine(**batches[rank]).loss
         engine.backward(loss)
         if step == 0:

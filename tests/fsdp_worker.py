@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from support.dist import finish  # noqa: E402
+from support.dist import finish, reference_step  # noqa: E402
 
 STEPS = 3
 LR = 0.05
@@ -172,12 +172,7 @@ def run_case(case: str, mode: str, rank: int, world: int) -> dict:
     result = {"case": case, "mode": mode, "plan_kind": plan.head.kind, "tied": plan.head.tied}
     for step in range(STEPS):
         batches = [make_inputs(family, seed=100 * step + r) for r in range(world)]  # images for a VLM
-        # reference: mean over the ranks' losses, one process, unfused
-        ref_losses = []
-        for b in batches:
-            loss_r = ref(**b).loss / world
-            loss_r.backward()
-            ref_losses.append(float(loss_r) * world)
+        ref_losses = reference_step(ref, batches)
         loss = sharded(**batches[rank]).loss
         loss.backward()
         if step == 0:

@@ -28,6 +28,17 @@ def finish(results, out: str) -> None:
     os._exit(0)
 
 
+def reference_step(ref, batches: list) -> list[float]:
+    """The unsharded, unfused reference's share of one data-parallel step: the mean of every rank's loss, backward in
+    one process (as FSDP / DeepSpeed average the gradients over ranks); returns each rank's loss."""
+    losses = []
+    for batch in batches:
+        loss = ref(**batch).loss / len(batches)
+        loss.backward()
+        losses.append(float(loss) * len(batches))
+    return losses
+
+
 def assert_parity(result: dict, tol: float) -> None:
     """A worker case against the unsharded single-process unfused reference: loss and every trainable gradient
     after step 1, every parameter after the last step, and training really moved the weights."""
