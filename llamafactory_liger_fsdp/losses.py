@@ -66,7 +66,10 @@ def causal_lm_loss(
     backend: str | None = None,
     wrap_kernel: Callable | None = None,
 ) -> torch.Tensor:
-    """The training loss of ``causal_lm`` for decoder output ``hidden [B, T, H]``.
+    """The training loss of ``causal_lm`` for decoder output ``hidden [B, T, H]``: the kernel's sum over labelled
+    positions divided by ``num_items_in_batch``, or by their count (the mean). With nothing labelled that is
+    ``0 / 0`` = NaN, as in the model's own loss, and every gradient is exactly zero (the kernel never lets an
+    ignored row's ``grad_output`` in).
 
     ``kind``: ``causal_lm`` honours ``shift_labels``/``num_items_in_batch``/``ignore_index``; ``mean`` and
     ``masked_mean`` ignore them, as those models do. ``label_smoothing > 0``: transformers' ``LabelSmoother``
@@ -80,7 +83,7 @@ def causal_lm_loss(
     kernel = functools.partial(
         ops.fused_linear_cross_entropy,
         ignore_index=ignore_index,
-        reduction="sum" if num_items_in_batch is not None else "mean",
+        reduction="sum",
         label_smoothing=float(label_smoothing),
         softcap=softcap,
         backend=resolve_backend(backend, h.device),
@@ -90,8 +93,8 @@ def causal_lm_loss(
     if wrap_kernel is not None:  # diagnostics (memory report)
         kernel = functools.partial(wrap_kernel, kernel)
     loss = head.run(causal_lm, h, y, kernel)
-    if num_items_in_batch is not None:
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss
+    if num_items_in_batch is None:  # the mean as the model takes it: sum / count (0 / 0 is NaN there too)
+        num_items_in_batch = (y != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch

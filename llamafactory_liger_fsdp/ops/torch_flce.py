@@ -4,9 +4,10 @@
 logits: rows are processed in chunks of at most ``chunk_rows`` (about 256 MiB of fp32 logits
 per chunk by default).
 
-Numerics follow what the unfused model computes: each chunk's logits come out of one matmul
-in the input dtype (fp32 accumulation inside, like ``lm_head``) and are upcast to fp32 before
-softcap / log-softmax (like transformers' ``ForCausalLMLoss``); the logits gradient, scaled by
+Numerics: each chunk's logits come out of one matmul of the input-dtype operands with an fp32
+output (as in the Triton kernels; the unfused model rounds them to the input dtype first, one
+rounding more), then softcap / log-softmax in fp32 (like transformers' ``ForCausalLMLoss``); the
+logits gradient, scaled by
 ``grad_output`` (and ``1/n_valid``), is cast back to the input dtype before the two backward
 matmuls (like autograd through ``logits.float()``). ``dW`` is accumulated over chunks in fp32.
 
@@ -27,8 +28,18 @@ def _rows_per_chunk(n: int, v: int, chunk_rows: int | None) -> int:
     return max(1, min(n, chunk_rows))
 
 
+def _operand(weight: torch.Tensor) -> torch.Tensor:
+    """The weight as the logits matmul takes it: CPU has no 16-bit matmul with an fp32 output, so it is upcast
+    once there (bf16/fp16 values are exact in fp32)."""
+    return weight.float() if not weight.is_cuda and weight.dtype != torch.float32 else weight
+
+
 def _logits(h: torch.Tensor, w: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    z = (h @ w.t()).float()
+    """fp32 logits ``h @ w.T`` of the input-dtype values (``w`` from :func:`_operand`)."""
+    if h.dtype == w.dtype and h.dtype != torch.float32:
+        z = torch.mm(h, w.t(), out_dtype=torch.float32)
+    else:
+        z = h.to(w.dtype) @ w.t()
     if softcap is not None:
         z = torch.tanh(z / softcap) * softcap
     return z
@@ -44,8 +55,9 @@ class _TorchFLCE(torch.autograd.Function):
         loss_rows = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         lse = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         with torch.autocast(device_type=hidden.device.type, enabled=False):
+            w_op = _operand(weight)
             for s in range(0, n, rows):
-                z = _logits(hidden[s : s + rows], weight, softcap)
+                z = _logits(hidden[s : s + rows], w_op, softcap)
                 ok = valid[s : s + rows]
                 y = torch.where(ok, labels[s : s + rows], 0)
                 lse_c = torch.logsumexp(z, dim=1)
@@ -72,23 +84,26 @@ class _TorchFLCE(torch.autograd.Function):
         if grad_out is None:
             return None, None, None, None
         v = weight.shape[0]
+        if not bool(n_valid):  # nothing labelled: zero gradients whatever grad_output is (sum / 0 gives inf)
+            return (torch.zeros_like(hidden) if need_h else None), (torch.zeros_like(weight) if need_w else None), None, None
         dh = torch.empty_like(hidden) if need_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         g_out = grad_out.float()
         if reduction == "mean":
             g_out = g_out / n_valid.clamp(min=1).float()
         with torch.autocast(device_type=hidden.device.type, enabled=False):
+            w_op = _operand(weight)
             for s in range(0, hidden.shape[0], rows):
                 h = hidden[s : s + rows]
                 y = labels[s : s + rows]
                 ok = y != ignore_index
-                z = _logits(h, weight, softcap)
+                z = _logits(h, w_op, softcap)
                 g = torch.softmax(z, dim=1)
                 g[torch.arange(g.shape[0], device=g.device)[ok], y[ok]] -= 1.0 - eps
                 if eps:
                     g -= eps / v
                 c = g_out[s : s + rows] if reduction == "none" else g_out
-                g *= (ok.float() * c).unsqueeze(1)
+                g *= torch.where(ok, c, 0.0).unsqueeze(1)  # an ignored row's grad_output (inf, NaN) never enters
                 if softcap is not None:
                     g *= 1.0 - (z / softcap) ** 2
                 g = g.to(hidden.dtype)

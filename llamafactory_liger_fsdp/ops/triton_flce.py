@@ -536,7 +536,7 @@ class _FastFLCE(torch.autograd.Function):
         dtype = ctx.dtype = hidden.dtype
         S = _dz_scale(dtype)
         dh_raw = torch.empty(n_valid, h, device=hidden.device, dtype=torch.float32) if need_h else None
-        dw_raw = torch.zeros(v, h, device=weight.device, dtype=torch.float32) if need_w else None
+        dw_raw = torch.zeros(v, h, device=weight.device, dtype=torch.float32) if need_w and n_valid else None
         lse = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         loss_rows = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         tgt = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
@@ -566,6 +566,7 @@ class _FastFLCE(torch.autograd.Function):
                 targets.add_dw(dw_raw, hidden, 0, targets.labels.numel(), 0)
         ctx.save_for_backward(*(x for x in (dh_raw, dw_raw, idx) if x is not None))
         ctx.cfg = (need_h, need_w, reduction, all_valid, n, S)
+        ctx.h, ctx.w_shape = h, weight.shape
         ctx.set_materialize_grads(False)
         loss, lse_full = _outputs(loss_rows, lse, idx, n, all_valid, reduction)
         ctx.mark_non_differentiable(lse_full)
@@ -576,11 +577,14 @@ class _FastFLCE(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         need_h, need_w, reduction, all_valid, n, S = ctx.cfg
         dh_raw = saved.pop(0) if need_h else None
-        dw_raw = saved.pop(0) if need_w else None
-        idx = saved.pop(0)
+        idx = saved.pop()
+        dw_raw = saved.pop() if need_w and idx.numel() else None
         if grad_loss is None:
             return None, None, None, None
         n_valid = int(idx.numel())
+        if n_valid == 0:  # nothing labelled: zero gradients whatever grad_output is (sum / 0 gives inf)
+            return (torch.zeros(n, ctx.h, device=idx.device, dtype=ctx.dtype) if need_h else None), (
+                torch.zeros(ctx.w_shape, device=idx.device, dtype=ctx.dtype) if need_w else None), None, None
         scale = grad_loss.float() / (S * (max(n_valid, 1) if reduction == "mean" else 1))
         dh = dw = None
         if dw_raw is not None:
