@@ -27,6 +27,8 @@ KEYS = {
     "rounding.",
     "liger_fsdp_checkpoint_repair": "true/false (default true): under FSDP2 with an adapter, save and load the "
     "adapter as full tensors where the installed accelerate (< 1.15) writes rank 0's shards only.",
+    "liger_fsdp_allow_untested_versions": "true/false (default false): run with installed versions outside the "
+    "tested ranges (llamafactory_liger_fsdp/versions.py) instead of stopping with the list of them.",
 }
 BACKENDS = ("auto", "triton", "triton_fast", "torch")
 ATTR = "liger_fsdp_config"
@@ -35,6 +37,11 @@ DISABLE_ENV = "LLAMAFACTORY_LIGER_FSDP_DISABLE"
 
 class LigerFsdpConfigError(ValueError):
     """A configuration that cannot work with ``liger_fsdp: true``; the message names the key and the fix."""
+
+
+class LigerFsdpDataError(ValueError):
+    """The data cannot be trained on by this model (token ids or labels outside its vocabulary), with or without the
+    plugin; the message names the key that fixes it (``resize_vocab``)."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +53,11 @@ class LigerFsdpConfig:
     memory_report: bool = False
     checkpoint_repair: bool = True
     guard: bool = True
+    allow_untested_versions: bool = False
     sharding: Any = None  # sharding.Sharding, set once the training arguments are parsed
+    start_step: int = 0  # the global step a resumed run starts from (trainer_state.json of its checkpoint)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    label_smoothing: float = 0.0  # the Trainer's label_smoothing_factor
 
 
 def disabled_by_env() -> bool:
@@ -73,27 +84,32 @@ def _parse_backend(key: str, value: Any) -> str:
     )
 
 
-def from_mapping(values: dict[str, Any]) -> LigerFsdpConfig:
-    """Build and validate a config from ``{key: value}`` taken out of the user's arguments."""
+def check_names(values: dict[str, Any]) -> None:
+    """Misspelled ``liger_fsdp_*`` keys are an error, also while the plugin is disabled."""
     unknown = sorted(k for k in values if k not in KEYS)
     if unknown:
         raise LigerFsdpConfigError(
             f"Unknown key(s) {', '.join('`' + k + '`' for k in unknown)}. The liger_fsdp plugin knows: "
             f"{', '.join('`' + k + '`' for k in KEYS)}. Fix: correct the spelling or remove them."
         )
+
+
+def from_mapping(values: dict[str, Any]) -> LigerFsdpConfig:
+    """Build and validate a config from ``{key: value}`` taken out of the user's arguments."""
+    check_names(values)
     if "liger_fsdp" not in values and values:
         raise LigerFsdpConfigError(
             f"{', '.join('`' + k + '`' for k in sorted(values))} set but `liger_fsdp` is not. "
             "Fix: add `liger_fsdp: true`, or remove them."
         )
-    bools = {k: _parse_bool(k, values[k]) for k in ("liger_fsdp", "liger_fsdp_memory_report",
-                                                    "liger_fsdp_checkpoint_repair", "liger_fsdp_guard") if k in values}
+    bools = {k: _parse_bool(k, values[k]) for k in KEYS if k != "liger_fsdp_backend" and k in values}
     return LigerFsdpConfig(
         enabled=bools.get("liger_fsdp", False),
         backend=_parse_backend("liger_fsdp_backend", values["liger_fsdp_backend"]) if "liger_fsdp_backend" in values else "auto",
         memory_report=bools.get("liger_fsdp_memory_report", False),
         checkpoint_repair=bools.get("liger_fsdp_checkpoint_repair", True),
         guard=bools.get("liger_fsdp_guard", True),
+        allow_untested_versions=bools.get("liger_fsdp_allow_untested_versions", False),
     )
 
 
@@ -125,16 +141,6 @@ def split(args: Any) -> tuple[Any, dict[str, Any]]:
             i += 1
         return rest, ours
     return args, {}
-
-
-def extract(args: Any) -> tuple[Any, LigerFsdpConfig]:
-    """Take our keys out of the raw arguments; returns the rest and the validated config.
-
-    With ``LLAMAFACTORY_LIGER_FSDP_DISABLE=1`` the keys are taken out and ignored (the plugin is off)."""
-    rest, ours = split(args)
-    if disabled_by_env():
-        return rest, LigerFsdpConfig()
-    return rest, from_mapping(ours)
 
 
 def get_config(finetuning_args: Any) -> LigerFsdpConfig:

@@ -21,6 +21,7 @@ from .config import LigerFsdpConfig, LigerFsdpConfigError
 from .forward import ForwardState, make_forward
 
 ATTR = "_liger_fsdp_engaged"
+SIDE_EFFECTS = "_liger_fsdp_side_effects"  # undo callables of what was changed for this model, oldest first
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def engaged(model: nn.Module) -> Engaged | None:
 def check_model(causal_lm: nn.Module) -> families.Family:
     """The family entry; refuses a family (or its class, or a config flag it cannot take) or a loss function
     the fused loss would not reproduce."""
-    family = families.family_of(getattr(causal_lm.config, "model_type", None), causal_lm.config, type(causal_lm).__name__)
+    family = families.family_of(getattr(causal_lm.config, "model_type", None), causal_lm.config, type(causal_lm))
     loss_fn = getattr(causal_lm, "loss_function", None)
     if loss_fn is not None and not thirdparty.is_causal_lm_loss(loss_fn):
         raise LigerFsdpConfigError(
@@ -74,20 +75,30 @@ def engage(model: nn.Module, config: LigerFsdpConfig | None = None, *, backend: 
         if not heads.base.is_shared(causal_lm, gather.param(module)):
             wrapping.mark_unit(module)
             marked.append(path)
-    state = ForwardState(on_first_step=lambda: _first_step(causal_lm), guard=cfg.guard)
+    state = ForwardState(on_first_step=lambda: _first_step(causal_lm), guard=cfg.guard, start_step=cfg.start_step,
+                         grad_accum=cfg.grad_accum)
     forward = make_forward(causal_lm, head, family, cfg.backend, state)
     causal_lm.__dict__[ATTR] = Engaged(head, family, cfg, tuple(marked))
     causal_lm.__dict__["forward"] = forward
     return causal_lm.__dict__[ATTR]
 
 
+def record(model: nn.Module, undo: list) -> None:
+    """Remember the undo callables of side effects made for ``model`` (dtype casts, patches, environment)."""
+    causal_lm_of(model).__dict__.setdefault(SIDE_EFFECTS, []).extend(undo)
+
+
 def disengage(model: nn.Module) -> None:
-    """Undo :func:`engage` (before FSDP wrapping; afterwards the units stay as they were built)."""
+    """Undo :func:`engage` and every side effect :func:`record`-ed for the model, newest first (before FSDP wrapping /
+    ``deepspeed.initialize``; afterwards the units and partitions stay as they were built)."""
     causal_lm = causal_lm_of(model)
     done = causal_lm.__dict__.pop(ATTR, None)
     causal_lm.__dict__.pop("forward", None)
     for path in done.marked if done is not None else ():
         wrapping.unmark_unit(causal_lm.get_submodule(path))
+    undo = causal_lm.__dict__.pop(SIDE_EFFECTS, [])
+    while undo:
+        undo.pop()()
 
 
 def _first_step(causal_lm: nn.Module):

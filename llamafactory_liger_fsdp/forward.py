@@ -7,7 +7,7 @@ Set on the causal LM *instance* by :func:`..engage.engage`. In training with lab
 2. computes the loss with :func:`..losses.causal_lm_loss` through the head strategy, and
 3. applies the family's quirks as data (:mod:`.families`: softcap, logit scale, loss variant, MoE aux).
 
-On the first training step the exactness guard (:mod:`.guard`) compares it with the original forward.
+On the first training step with labels the exactness guard (:mod:`.guard`) compares it with the original forward.
 In eval, or without labels, the original forward runs untouched (callers may want the logits); in
 training without labels that is said once (the Trainer pops them for ``label_smoothing_factor > 0``).
 """
@@ -32,12 +32,19 @@ class ForwardState:
     shift_labels=True)`` computed by the kernel -- for a caller that passes the labels instead of letting the
     Trainer pop them (the Trainer's own smoother is then off)."""
 
-    def __init__(self, on_first_step: Callable[[], Callable | None] | None = None, guard: bool = True):
-        self.steps = 0
+    def __init__(self, on_first_step: Callable[[], Callable | None] | None = None, guard: bool = True,
+                 start_step: int = 0, grad_accum: int = 1):
+        self.steps = 0  # training forwards with labels so far
         self.on_first_step = on_first_step
-        self.guard = guard
+        self.guard = guard  # still to run (it defers itself while no rank has a labelled position)
+        self.start_step, self.grad_accum = start_step, max(1, grad_accum)
         self.label_smoothing = 0.0
         self.said_no_labels = False
+
+    @property
+    def global_step(self) -> int:
+        """The optimizer step the current forward belongs to, as the Trainer counts (a resume included)."""
+        return self.start_step + (self.steps - 1) // self.grad_accum + 1
 
 
 NO_LABELS = ("[liger_fsdp] training forward without labels: the fused path is bypassed for it and the model computes "
@@ -105,12 +112,13 @@ def make_forward(causal_lm: nn.Module, head: Head, family: Family, backend: str 
             raise ValueError("liger_fsdp: `logits_to_keep` must be 0 when training with labels")
         wrap_kernel = None
         state.steps += 1
-        if state.steps == 1:
-            wrap_kernel = state.on_first_step() if state.on_first_step is not None else None
-            if state.guard:
-                from . import guard
+        if state.steps == 1 and state.on_first_step is not None:
+            wrap_kernel = state.on_first_step()
+        if state.guard:
+            from . import guard
 
-                guard.check(causal_lm, family, original, signature, fused, params, extra, labels)
+            state.guard = not guard.check(causal_lm, family, original, signature, fused, params, extra, labels,
+                                          step=state.global_step)
         return fused(params, extra, labels, wrap_kernel)
 
     forward.liger_fsdp_state = state

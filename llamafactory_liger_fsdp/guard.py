@@ -1,44 +1,98 @@
-"""The step-1 exactness guard (``liger_fsdp_guard``, on by default).
+"""The first-step exactness guard (``liger_fsdp_guard``, on by default).
 
-On the first training step of every rank, before the real step, :func:`check` computes on a slice of the
-real micro-batch, under ``torch.no_grad`` and from the same RNG state (dropout masks identical; the
-state is restored afterwards, so the real step draws what it would have drawn without the guard):
+On the first training step in which some rank has a labelled position (global step ``N``; 1 for a fresh run),
+every rank computes on a slice of its real micro-batch, under ``torch.no_grad`` and from the same RNG state
+(dropout masks identical; the state is restored afterwards, so the real step draws what it would have drawn):
 
 * the model's ORIGINAL loss: its own ``forward`` (normal module calls, so FSDP/DeepSpeed gather as in any
-  forward; Liger's class forward with ``skip_logits=False``), with a pre-hook on the output embedding
-  that keeps only the slice's positions, so the logits exist for the slice only;
-* the fused loss of :mod:`.forward` on the same inputs and positions.
+  forward; Liger's class forward with ``skip_logits=False``), with a pre-hook on the output embedding that keeps
+  only the slice's positions, and every linear layer of the head computed in fp32 from the operands it would
+  have had (:class:`_Fp32Head`: the same 16-bit hidden states and weights, autocast's cast included; nothing
+  inside the head rounded back to 16 bits, FSDP2's output cast and PEFT's result cast included);
+* the fused loss of :mod:`.forward` on the same inputs and positions (its kernel also forms fp32 logits from
+  those 16-bit operands).
 
-The slice: up to ``BUDGET`` (256) positions of one row, ending at that row's last labelled position (a packed
-or right-padded row ends in padding), the row with the most labels in its slice (Gemma 3's masked mean aligns its
-mask to the last positions of every row, so there: the last ``BUDGET // B`` positions of every row). Text-only calls run both forwards on that row alone. Calls with other inputs (pixel values,
-grid sizes, (3, B, T) position ids, ...) run on the whole micro-batch: those tensors are not split by row
-(Qwen-VL flattens the patches of all images), so only the whole batch keeps images and image tokens
-consistent without family-specific slicing; the logits still exist for the slice only.
-``num_items_in_batch`` is left out of both calls (both losses are means over the slice).
+So in bf16/fp16 the two losses differ by fp32 summation order and the few roundings the fused path makes on
+purpose (a LoRA head's ``A h`` and ``B`` in the compute dtype, a logit scale applied to 16-bit rows), not by the
+16-bit rounding of the logits: the bound is ``rtol=2e-3, atol=1e-4`` (fp32: ``1e-4, 1e-6``), which an injected
+1% error exceeds five times over. ``bench/guard_bounds.py`` measures the worst honest difference over every
+family and head kind (``bench/results/guard_bounds.json``).
 
-Bounds, ``|fused - model| <= rtol * |model| + atol``: fp32 ``rtol=1e-4, atol=1e-6`` (measured differences
-are <= 1e-6 relative: summation order only); bf16/fp16 ``rtol=2e-2, atol=2e-3`` (the model rounds its
-logits to 16 bits, the kernel keeps them in fp32: about ``max|logit| * 2^-9`` per row, averaged over the
-slice). A missing quirk moves the loss far more: a dropped logit scale or softcap by O(1) relative.
-Every rank takes the verdict of all (one all-reduce), so all ranks stop together.
+The slice: up to ``BUDGET`` (256) positions of one row, ending at its last labelled position (a packed or
+right-padded row ends in padding), the row with the most labels in its slice (Gemma 3's masked mean aligns its
+mask to the last positions of every row, so there: the last ``BUDGET // B`` positions of every row). Text-only
+calls run both forwards on that row alone; calls with other inputs (pixel values, grid sizes, (3, B, T) position
+ids) on the whole micro-batch (only the whole batch keeps images and image tokens consistent without per-family
+slicing); the logits still exist for the slice only. ``num_items_in_batch`` is left out of both calls.
+
+Decisions are the same on every rank (all-reduces before and after the two forwards): token ids or labels outside
+the vocabulary stop every rank with a data error naming ``resize_vocab``; a step in which no rank has a labelled
+position defers the check to the next step; an exception of the model's own forward (out of memory, a collective
+failure, a shape bug) propagates unchanged on its rank and stops the others with one line pointing to it; a
+mismatch stops every rank with both numbers.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ._log import info_rank0, rank
-from .config import LigerFsdpConfigError
+from .config import LigerFsdpConfigError, LigerFsdpDataError
 
 BUDGET = 256
 BOUNDS = {torch.float32: (1e-4, 1e-6), torch.float64: (1e-4, 1e-6)}
-LOW_PRECISION = (2e-2, 2e-3)
+LOW_PRECISION = (2e-3, 1e-4)
 TEXT_INPUTS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds", "shift_labels")
+OK, MISMATCH, DATA, FAILED = 0, 1, 2, 3
 
 
 def bounds(dtype: torch.dtype) -> tuple[float, float]:
     return BOUNDS.get(dtype, LOW_PRECISION)
+
+
+class _Fp32Head(TorchFunctionMode):
+    """Inside the output embedding's call: ``F.linear`` in fp32 from its (autocast-cast) operands, and no floating
+    tensor rounded to 16 bits (PEFT's ``result.to(dtype)``, FSDP2's ``output_dtype`` cast)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            return _linear_fp32(*args, **kwargs)
+        if func in (torch.Tensor.to, torch.Tensor.type, torch.Tensor.bfloat16, torch.Tensor.half) and args and \
+                isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32:
+            target = _target_dtype(func, args[1:], kwargs)
+            if target in (torch.bfloat16, torch.float16):
+                return args[0]
+        return func(*args, **kwargs)
+
+
+def _target_dtype(func, args, kwargs):
+    if func is torch.Tensor.bfloat16:
+        return torch.bfloat16
+    if func is torch.Tensor.half:
+        return torch.float16
+    for value in (*args, kwargs.get("dtype")):
+        if isinstance(value, torch.dtype):
+            return value
+        if isinstance(value, torch.Tensor):
+            return value.dtype
+    return None
+
+
+def _linear_fp32(x, weight, bias=None):
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):  # the operands the layer would have had
+        dtype = torch.get_autocast_dtype(dev)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    with torch.autocast(dev, enabled=False):
+        if x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
+            out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+            out = out.reshape(*x.shape[:-1], weight.shape[0])
+        else:
+            out = torch.nn.functional.linear(x.float(), weight.float())
+        return out if bias is None else out + bias.float()
 
 
 def _window(family, labels: torch.Tensor, shift_labels, ignore_index: int):
@@ -86,27 +140,64 @@ class _Rng:
 
 
 def _original_loss(causal_lm, original, signature, params, extra, labels, rows, start, end):
-    """The model's own loss with its head applied to the slice only; None if it never calls the head."""
+    """(the model's own loss with fp32 logits for the slice only, the head's input dtype); (None, None) if the
+    forward never calls its output embedding as a module."""
     kwargs = {**params, **extra, "labels": labels[rows, start:end]}
     if kwargs.get("shift_labels") is not None:
         kwargs["shift_labels"] = kwargs["shift_labels"][rows, start:end]
     if "skip_logits" in signature.parameters:  # Liger's lce_forward: its plain (logits) path
         kwargs["skip_logits"] = False
-    seen = []
+    seen, mode, inside = [], _Fp32Head(), [False]
 
-    def keep_slice(module, args):
+    def enter(module, args):
         seen.append(args[0].dtype)
+        if len(seen) == 1:
+            mode.__enter__()
+            inside[0] = True
         return (args[0][rows, start:end], *args[1:])
 
-    handle = causal_lm.get_output_embeddings().register_forward_pre_hook(keep_slice)
+    def leave(module, args, output):
+        if inside[0]:
+            inside[0] = False
+            mode.__exit__(None, None, None)
+
+    head = causal_lm.get_output_embeddings()
+    handles = [head.register_forward_pre_hook(enter), head.register_forward_hook(leave, always_call=True)]
     try:
         loss = original(**kwargs).loss
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
+        leave(None, None, None)
     return (loss, seen[0]) if len(seen) == 1 else (None, None)
 
 
-def _compare(causal_lm, original, signature, fused, params, extra, labels, r, start, end) -> tuple[float, str]:
+def _vocab_problem(causal_lm, params: dict, labels: torch.Tensor, shift_labels, ignore_index: int) -> str | None:
+    """Token ids or labels the model's vocabulary cannot take (a data error, not a mismatch)."""
+    rows = getattr(causal_lm.get_input_embeddings(), "num_embeddings", None)
+    ids = params.get("input_ids")
+    if rows is not None and torch.is_tensor(ids) and ids.numel() and (int(ids.max()) >= rows or int(ids.min()) < 0):
+        bad = int(ids.max()) if int(ids.max()) >= rows else int(ids.min())
+        return f"token id {bad} in input_ids, outside the {rows} rows of the input embedding"
+    v = causal_lm.get_output_embeddings().out_features
+    for what, y in (("labels", labels), ("shift_labels", shift_labels)):
+        if torch.is_tensor(y):
+            wrong = (y != ignore_index) & ((y < 0) | (y >= v))
+            if bool(wrong.any()):
+                return f"label {int(y[wrong][0])} in {what}, outside the {v} rows of the head (not ignore_index)"
+    return None
+
+
+def _all_max(values: list[float], device) -> list[float]:
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return values
+    flag = torch.tensor(values, device=device, dtype=torch.float64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.tolist()
+
+
+def _compare(causal_lm, original, signature, fused, params, extra, labels, r, start, end) -> tuple[bool, str]:
     b = labels.shape[0]
     rows = slice(None) if r is None else slice(r, r + 1)
     where = f"every row of {b}" if r is None else f"row {r} of {b}"
@@ -118,46 +209,71 @@ def _compare(causal_lm, original, signature, fused, params, extra, labels, r, st
     rng = _Rng()
     try:
         with torch.no_grad():
-            try:
-                model_loss, dtype = _original_loss(causal_lm, original, signature, params, extra, labels, rows, start,
-                                                   end)
-            except Exception as exc:  # the slice does not fit this model's own loss: its data is wrong too
-                return 1.0, f"the model's own forward failed on the slice ({type(exc).__name__}: {exc})"
+            model_loss, dtype = _original_loss(causal_lm, original, signature, params, extra, labels, rows, start, end)
             rng.restore()
             fused_loss = fused(params, extra, labels, window=(rows, start, end)).loss
     finally:
         rng.restore()
     if model_loss is None:
-        return 0.0, "not checked: the model's forward never called its output embedding as a module"
+        return False, "not checked: the model's forward never called its output embedding as a module"
     dev = labels.device.type
     if torch.is_autocast_enabled(dev):
         dtype = torch.get_autocast_dtype(dev)
     a, f = float(model_loss), float(fused_loss)
     rtol, atol = bounds(dtype)
     bound = rtol * abs(a) + atol
-    text = (f"model's own loss {a:.7g}, fused loss {f:.7g} (|diff| {abs(f - a):.3g}, bound {bound:.3g} for "
-            f"{str(dtype).replace('torch.', '')}) on {where}, positions {start}-{end - 1}")
+    text = (f"model's own loss {a:.7g}, fused loss {f:.7g} (|diff| {abs(f - a):.3g}, bound {bound:.3g}; fp32 logits "
+            f"from the same {str(dtype).replace('torch.', '')} inputs) on {where}, positions {start}-{end - 1}")
     bad = not abs(f - a) <= bound  # NaN counts as a difference
-    return float(bad), ("" if bad else "exact: ") + text
+    return bad, ("" if bad else "exact: ") + text
 
 
-def check(causal_lm, family, original, signature, fused, params: dict, extra: dict, labels: torch.Tensor) -> None:
-    """Raise :class:`LigerFsdpConfigError` (on every rank) if the fused loss is not the model's own."""
+def check(causal_lm, family, original, signature, fused, params: dict, extra: dict, labels: torch.Tensor,
+          step: int = 1) -> bool:
+    """Compare the fused loss with the model's own on every rank; True once decided, False when no rank had a
+    labelled position (check again next step). Raises on a mismatch or a data error (every rank)."""
     extra = {k: v for k, v in extra.items() if k != "num_items_in_batch"}
-    r, start, end, n = _window(family, labels, extra.get("shift_labels"), extra.get("ignore_index", -100))
-    bad, text = _compare(causal_lm, original, signature, fused, params, extra, labels, r, start, end)  # every rank
+    ignore_index = extra.get("ignore_index", -100)
+    problem = _vocab_problem(causal_lm, params, labels, extra.get("shift_labels"), ignore_index)
+    r, start, end, n = _window(family, labels, extra.get("shift_labels"), ignore_index)
+    data_rank, any_labels = _all_max([rank() + 1 if problem else 0, 1 if n else 0], labels.device)
+    if data_rank:
+        where = problem if problem else f"rank {int(data_rank) - 1}'s batch has a token id or label outside the vocabulary"
+        raise LigerFsdpDataError(
+            f"`resize_vocab`: step {step}, rank {rank()}: {where}. The tokenizer has more tokens than the model's "
+            "embeddings (added tokens); the run without liger_fsdp fails on it as well. Fix: set `resize_vocab: true` "
+            "(LLaMA-Factory resizes the embeddings and the head to the tokenizer), or use the model's own tokenizer."
+        )
+    if not any_labels:
+        return False
+    failure = None
+    try:
+        bad, text = _compare(causal_lm, original, signature, fused, params, extra, labels, r, start, end)
+    except Exception as exc:  # not a mismatch: re-raised unchanged below, after the other ranks heard of it
+        failure, bad, text = exc, True, ""
     if not n:  # collectives run in both forwards, so a rank without labels runs them too and only skips the verdict
-        bad, text = 0.0, "not checked: no labelled position in the slice"
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        flag = torch.tensor([bad], device=labels.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        bad = float(flag)
-    if bad:
+        bad, text = False, "not checked on this rank: no labelled position in its slice"
+    mismatch, failed_rank = _all_max([float(bad and failure is None), rank() + 1 if failure is not None else 0],
+                                     labels.device)
+    if failure is not None:
+        if hasattr(failure, "add_note"):  # the error itself is unchanged; the note says where it ran
+            failure.add_note(f"[liger_fsdp] raised inside the first-step guard (step {step}), by the model's own forward "
+                             "or the fused loss on a slice of the micro-batch; `liger_fsdp_guard: false` skips the "
+                             "check.")
+        raise failure
+    if failed_rank:
+        raise RuntimeError(f"liger_fsdp guard: rank {int(failed_rank) - 1} failed in the model's own forward on step "
+                           f"{step} (its error is in its log); every rank stops with it.")
+    if mismatch:
+        if not bad:
+            text = f"this rank's slice agreed ({text}); another rank's did not (see its error)"
         raise LigerFsdpConfigError(
-            f"`liger_fsdp_guard`: on step 1 the fused loss is not the model's own for model type `{family.model_type}` "
-            f"({type(causal_lm).__name__}), rank {rank()}: {text}. A quirk of this model (logit scale, softcap, loss "
+            f"`liger_fsdp_guard`: on step {step} the fused loss is not the model's own for model type "
+            f"`{family.model_type}` ({type(causal_lm).__name__}), rank {rank()}: "
+            f"{text}. A quirk of this model (logit scale, softcap, loss "
             "variant, aux loss, head) is not reproduced, so training would optimise another objective. Fix: remove "
             "`liger_fsdp` for this model and report this line with your transformers version (`liger_fsdp_guard: "
             "false` skips the check)."
         )
-    info_rank0(f"[liger_fsdp] guard: step 1 {text}.")
+    info_rank0(f"[liger_fsdp] guard: step {step} {text}.")
+    return True

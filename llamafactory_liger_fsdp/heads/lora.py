@@ -1,7 +1,7 @@
 """PEFT LoRA on the head (``lm_head`` in ``lora_target``): the LoRA delta enters the loss exactly.
 
-``h W^T + s (A drop(h))^T B^T = [h, s A drop(h)] [W, B]^T``: one kernel call on the concatenation, run
-through the units of the base layer and of lora_B; ``A drop(h)`` is computed by calling lora_A as a
+``h W^T + s (A drop(h))^T B^T = [h, s A drop(h)] [W, B]^T``: one kernel call on the concatenation, in the
+hidden states' dtype, run through the units of the base layer and of lora_B; ``A drop(h)`` is computed by calling lora_A as a
 module (through its own unit, if it is one), so lora_A and lora_B get exact gradients. Cost: a
 ``[V, H + r]`` copy of the concatenated weight while the kernel runs. A bias of the base layer is one
 more column (``[h, s A drop(h), 1] [W, B, b]^T``).
@@ -53,8 +53,10 @@ class LoraHead(Head):
         def inside(h: torch.Tensor, u_in: torch.Tensor, y: torch.Tensor):
             w, b = base.weight, lora_b.weight
             gather.check_full(w, b)
-            dtype = torch.promote_types(torch.promote_types(h.dtype, u_in.dtype), torch.promote_types(w.dtype, b.dtype))
-            hcat = torch.cat([h.to(dtype), u_in.to(dtype)], dim=-1)
+            # the hidden states' (compute) dtype: PEFT runs the base layer in it too; an fp32 lora_B or A h is rounded
+            # to it (2^-9 of the rank-r delta in bf16), never the [V, H] base weight promoted to fp32
+            dtype = h.dtype
+            hcat = torch.cat([h, u_in.to(dtype)], dim=-1)
             wcat = torch.cat([w.to(dtype), b.to(dtype)], dim=-1)
             return kernel(*with_bias(hcat, wcat, base.bias), y)
 
