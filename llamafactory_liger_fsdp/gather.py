@@ -102,14 +102,6 @@ def check_full(*weights: torch.Tensor) -> None:
             )
 
 
-REDIRECTED = "_liger_fsdp_redirected"
-
-
-def is_redirected(module: nn.Module) -> bool:
-    """True while ``module`` runs the fused loss instead of its own forward (for hooks on it)."""
-    return bool(module.__dict__.get(REDIRECTED, False))
-
-
 def _redirect(unit: nn.Module, fn: Callable, args: tuple) -> Any:
     target = unit._fsdp_wrapped_module if thirdparty.is_fsdp1(unit) else unit
     had_own = "forward" in target.__dict__
@@ -126,12 +118,10 @@ def _redirect(unit: nn.Module, fn: Callable, args: tuple) -> Any:
         return fn(*a, **k)
 
     target.__dict__["forward"] = redirected
-    target.__dict__[REDIRECTED] = True
     try:
         return unit(*args)
     finally:
         restore()
-        target.__dict__.pop(REDIRECTED, None)
 
 
 LIMBS = "__liger_fsdp_fp32_limbs__"

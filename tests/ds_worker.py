@@ -12,7 +12,11 @@ A case ending in ``:liger`` runs Liger-Kernel's own fused loss instead of the pl
 Llama, applied as LLaMA-Factory applies it; fused loss only, under ``TRITON_INTERPRET=1``): what a user without the
 plugin gets under ZeRO-3.
 
-Run: python tests/ds_worker.py OUT.json CASE [CASE ...]   (CASE: family:head:stage[:offload][:liger], e.g. llama:mts:3:param)
+A case with ``:bf16`` builds the model in bf16 (PEFT's LoRA weights fp32, as LLaMA-Factory gets them), runs the
+plugin's whole load-time engage (its ZeRO-3 dtype policy included) under DeepSpeed's bf16 mode, records the dtypes the
+kernel receives, and compares with the unfused reference under the same policy (every parameter bf16).
+
+Run: python tests/ds_worker.py OUT.json CASE [CASE ...]   (CASE: family:head:stage[:offload][:liger|:bf16], e.g. llama:mts:3:param)
 """
 
 from __future__ import annotations
@@ -105,6 +109,27 @@ def _liger(ref, cand):
     return SimpleNamespace(head=heads.detect(causal_lm_of(cand))), lambda causal_lm, done: "Liger's own fused loss"
 
 
+def _engage_bf16(cand, stage: int, seen: list):
+    """The plugin's load-time engage (``integration.llamafactory.engage_model``) for a bf16 model under DeepSpeed
+    ZeRO-``stage``; records the dtypes every kernel call receives."""
+    from types import SimpleNamespace
+
+    from llamafactory_liger_fsdp import ops
+    from llamafactory_liger_fsdp.config import LigerFsdpConfig
+    from llamafactory_liger_fsdp.integration.llamafactory import engage_model
+    from llamafactory_liger_fsdp.sharding import DEEPSPEED, Sharding
+
+    kernel = ops.fused_linear_cross_entropy
+
+    def spy(hidden, weight, labels, **kw):
+        seen.append(f"{hidden.dtype}/{weight.dtype}".replace("torch.", ""))
+        return kernel(hidden, weight, labels, **kw)
+
+    ops.fused_linear_cross_entropy = spy
+    cfg = LigerFsdpConfig(enabled=True, backend="torch", sharding=Sharding(DEEPSPEED, stage))
+    return engage_model(cand, cfg, SimpleNamespace(stage="sft", finetuning_type="lora"))
+
+
 def run_case(case: str, rank: int, world: int) -> dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
@@ -113,14 +138,18 @@ def run_case(case: str, rank: int, world: int) -> dict:
     from llamafactory_liger_fsdp.testing import make_batch, make_model, make_peft, rel
 
     family, kind, stage, *rest = case.split(":")
-    liger = rest[-1:] == ["liger"]
-    rest = rest[:-1] if liger else rest
+    liger, bf16 = "liger" in rest, "bf16" in rest
+    rest = [r for r in rest if r not in ("liger", "bf16")]
     stage, offload = int(stage), (rest[0] if rest else "none")
-    ref = make_peft(make_model(family, seed=0), kind)
+    ref = make_peft(make_model(family, seed=0, dtype=torch.bfloat16 if bf16 else torch.float32), kind)
     cand = copy.deepcopy(ref)
     ref.train(), cand.train()
+    kernel_dtypes: list = []
     if liger:
         done, engaged_line = _liger(ref, cand)
+    elif bf16:  # as LLaMA-Factory's loader hands it over: the plugin's whole engage, its ZeRO-3 dtype policy included
+        done = _engage_bf16(cand, stage, kernel_dtypes)
+        ref.to(torch.bfloat16)  # the same policy for the unfused reference (what DeepSpeed does under ZeRO-0/1/2)
     else:
         done = engage(cand, backend="torch")
     assert done is not None, "plugin did not engage"
@@ -129,8 +158,9 @@ def run_case(case: str, rank: int, world: int) -> dict:
     if not done.head.tied:
         _watch_head(causal_lm_of(cand), done, seen)
     opt_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    config = dict(_config(stage, offload), **({"bf16": {"enabled": True}} if bf16 else {}))
     engine, *_ = deepspeed.initialize(model=cand, optimizer=torch.optim.SGD([p for _, p in trainable], lr=LR),
-                                      config=_config(stage, offload), model_parameters=[p for _, p in trainable])
+                                      config=config, model_parameters=[p for _, p in trainable])
     causal_lm = causal_lm_of(cand)
     result = {"case": case, "kind": done.head.kind, "proof": _proof(causal_lm, done)}
     for step in range(STEPS):
@@ -155,8 +185,10 @@ def run_case(case: str, rank: int, world: int) -> dict:
         full = safe_get_full_fp32_param(p)
         after[n] = (p if full is None else full).detach().clone()
     result["head_while_embedding"] = seen
+    result["kernel_dtypes"] = sorted(set(kernel_dtypes))
     result["param_rels_after"] = max(rel(after[n], ref_named[n]) for n, _ in trainable)
-    init = dict(make_peft(make_model(family, seed=0), kind).named_parameters())
+    init = dict(make_peft(make_model(family, seed=0, dtype=torch.bfloat16 if bf16 else torch.float32),
+                          kind).named_parameters())
     result["moved"] = rel(torch.cat([after[n].flatten() for n, _ in trainable]),
                           torch.cat([init[n].detach().flatten() for n, _ in trainable]))
     engine.destroy()

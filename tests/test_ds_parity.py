@@ -52,6 +52,33 @@ def test_zero_parity(ranks, case):
             assert "on the whole (unpartitioned) head weight" in result["engaged"], result["engaged"]
 
 
+BF16 = ["llama:mts:3:bf16", "llama:lora:3:bf16", "llama:full:3:bf16", "qwen2_tied:full:3:bf16", "llama:mts:2:bf16"]
+
+
+@pytest.fixture(scope="module")
+def bf16_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ds_bf16") / "out.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "ds_worker.py"), str(out), *BF16],
+                          capture_output=True, text=True, timeout=1200, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", BF16)
+def test_bf16_kernel_gets_the_compute_dtype(bf16_ranks, case):
+    """DeepSpeed bf16 (ZeRO-3 with PEFT's fp32 LoRA weights beside bf16 copies, and ZeRO-2): the fused kernel receives
+    bf16 hidden states and head weights for every head kind, on every rank (no fp32 island, no [V, H] fp32 copy), and
+    the run equals the unfused model under the same dtype policy within bf16 rounding."""
+    for rank_results in bf16_ranks:
+        result = {r["case"]: r for r in rank_results}[case]
+        assert "error" not in result, result["error"]
+        assert result["kernel_dtypes"] == ["bfloat16/bfloat16"], result["kernel_dtypes"]
+        assert result["loss_rel"] <= 5e-3, result["loss_rel"]
+        assert max(result["grad_rels"].values()) <= 5e-2, result["grad_rels"]
+        assert result["moved"] > 1e-3
+
+
 LIGER = ["llama:mts:3:liger", "llama:lora:3:liger"]
 
 

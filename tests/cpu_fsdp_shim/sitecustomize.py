@@ -196,3 +196,20 @@ if os.environ.get("CPU_SHIM_FAKE_BF16_GPU") == "1":
     import transformers.training_args
 
     transformers.training_args.is_torch_bf16_gpu_available = lambda *a, **k: True
+
+if os.environ.get("CPU_SHIM_COMPUTE_DTYPE") == "1":
+    # The unfused baseline of a bf16 ZeRO-3 run under the plugin's dtype policy (trainable parameters in the compute
+    # dtype, as DeepSpeed casts them itself under ZeRO-0/1/2): applied to a run without the plugin.
+    import importlib
+
+    _sft = importlib.import_module("llamafactory.train.sft.workflow")
+    _load_model = _sft.load_model
+
+    def _load_in_compute_dtype(*args, **kwargs):
+        from llamafactory_liger_fsdp import precision
+
+        model = _load_model(*args, **kwargs)
+        print(f"[cpu_fsdp_shim] compute dtype: {precision.to_compute_dtype(model)[0]}", file=sys.stderr)
+        return model
+
+    _sft.load_model = _load_in_compute_dtype
