@@ -28,8 +28,7 @@ import os
 import sys
 
 # LLaMA-Factory modules the plugin hooks, patched right after they execute (integration.HOOKED_MODULES).
-HOOKED_MODULES = ("llamafactory.hparams.parser", "llamafactory.model.loader", "llamafactory.launcher",
-                  "llamafactory.train.dpo.trainer", "llamafactory.train.kto.trainer")
+HOOKED_MODULES = ("llamafactory.hparams.parser", "llamafactory.model.loader", "llamafactory.launcher")
 
 #: True once the finder is on ``sys.meta_path`` in this process (read by ``doctor``).
 ACTIVE = False

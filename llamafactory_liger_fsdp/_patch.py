@@ -37,14 +37,23 @@ class PatchError(RuntimeError):
 
 
 def require_params(fn: Any, names: tuple[str, ...], where: str) -> None:
-    """Guard: ``fn`` must accept ``names`` (version-tolerant: extra parameters are fine)."""
+    """Guard: ``fn`` must accept ``names`` (version-tolerant: extra parameters are fine). Wrappers made with
+    ``functools.wraps`` are seen through (``inspect.signature`` follows ``__wrapped__``); a bare ``(*args,
+    **kwargs)`` wrapper of another package hides the original, and the error says so (it is not a version)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError) as exc:
         raise PatchError(f"cannot inspect {where}: {exc}") from exc
     missing = [n for n in names if n not in params]
-    if missing:
-        raise PatchError(f"{where} has no parameter(s) {missing}; this version is not supported")
+    if not missing:
+        return
+    kinds = {p.kind for p in params.values()}
+    if inspect.Parameter.VAR_POSITIONAL in kinds and inspect.Parameter.VAR_KEYWORD in kinds:
+        inner = inspect.unwrap(fn)
+        who = f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', getattr(inner, '__name__', '?'))}"
+        raise PatchError(f"{where} is wrapped by another package ({who}, a (*args, **kwargs) wrapper without "
+                         "functools.wraps), which hides the original's parameters")
+    raise PatchError(f"{where} has no parameter(s) {missing}; this version is not supported")
 
 
 def apply(owner: Any, name: str, make: Callable[[Any], Any], why: str) -> Patch | None:

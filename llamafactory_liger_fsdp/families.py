@@ -122,10 +122,21 @@ def read(path: str, config, model=None):
     return getattr(model if model is not None else config, path, None)
 
 
-def family_of(model_type: str | None, config=None, cls: str | None = None) -> Family:
+def model_class(family: Family):
+    """The class object transformers exports under the entry's class name (None if this transformers has none)."""
+    import transformers
+
+    try:
+        return getattr(transformers, family.cls)
+    except (AttributeError, ImportError):
+        return None
+
+
+def family_of(model_type: str | None, config=None, cls: type | None = None) -> Family:
     """The entry for ``config.model_type``; a clear error for anything refused or unknown.
 
-    With ``config`` the config-dependent refusals are checked too, with ``cls`` the model class."""
+    With ``config`` the config-dependent refusals are checked too, with ``cls`` the model class (by identity: a
+    remote-code class of the same name is another class)."""
     family = FAMILIES.get(model_type or "")
     if family is None:
         supported = sorted(t for t, f in FAMILIES.items() if f.refuse is None)
@@ -135,10 +146,11 @@ def family_of(model_type: str | None, config=None, cls: str | None = None) -> Fa
         )
     if family.refuse:
         raise LigerFsdpConfigError(f"`liger_fsdp: true` does not support model type `{model_type}`: {family.refuse}. {_FIX}")
-    if cls is not None and cls != family.cls:
+    if cls is not None and cls is not model_class(family):
+        where = f"{cls.__module__}.{cls.__qualname__}"
         raise LigerFsdpConfigError(
             f"`liger_fsdp: true`: the quirks of model type `{model_type}` were read from transformers' {family.cls}, but "
-            f"this model is {cls} (remote code, or another head class), whose loss may differ. {_FIX}"
+            f"this model is {where} (remote code, or another head class), whose loss may differ. {_FIX}"
         )
     if config is not None and family.refuse_if and read(family.refuse_if[0], config):
         path, why, fix = family.refuse_if
@@ -177,7 +189,7 @@ def aux_term(family: Family, causal_lm, outputs, attention_mask):
     import sys
 
     moe, cfg = family.moe, causal_lm.config
-    aux = sys.modules[type(causal_lm).__module__].load_balancing_loss_func(
+    aux = sys.modules[model_class(family).__module__].load_balancing_loss_func(
         outputs.router_logits, read(moe.num_experts, cfg, causal_lm), read(moe.top_k, cfg, causal_lm), attention_mask
     )
     return aux, read(moe.coef, cfg, causal_lm)

@@ -60,11 +60,33 @@ def test_fsdp2_sharded_state_dict_refused(base, monkeypatch):
     names_key_and_fix(str(err.value), "fsdp_state_dict_type: SHARDED_STATE_DICT", "FULL_STATE_DICT")
 
 
-def test_fsdp2_state_dict_type_defaults_to_full(base, monkeypatch, capsys):
+@pytest.mark.parametrize("head", ["mts", "frozen"])
+def test_fsdp2_adapter_checkpoints_set_at_load_whether_or_not_the_loss_engages(base, monkeypatch, capsys, head):
+    """Parsing changes nothing; loading an FSDP2 adapter model picks FULL_STATE_DICT and (accelerate < 1.15) the
+    checkpoint repair, also for a frozen head (the loss does not engage, the checkpoints still need both);
+    disengage undoes both."""
+    import accelerate
+    import transformers.trainer as trainer_module
+
+    from llamafactory_liger_fsdp import _patch, config
+    from llamafactory_liger_fsdp.engage import disengage, engaged
+    from llamafactory_liger_fsdp.integration.llamafactory import engage_model
+    from llamafactory_liger_fsdp.testing import make_model, make_peft
+
     monkeypatch.delenv("FSDP_STATE_DICT_TYPE", raising=False)
-    _train_args(dict(base, **FSDP2))
+    monkeypatch.setattr(accelerate, "__version__", "1.11.0")
+    *_, finetuning_args, _ = _train_args(dict(base, **FSDP2))
+    assert "FSDP_STATE_DICT_TYPE" not in os.environ  # no side effect at parse time
+    model = make_peft(make_model("llama"), "mts")
+    if head == "frozen":
+        model.base_model.model.lm_head.modules_to_save.default.weight.requires_grad_(False)
+    engage_model(model, config.get_config(finetuning_args), finetuning_args)
+    assert (engaged(model) is not None) == (head == "mts")
     assert os.environ["FSDP_STATE_DICT_TYPE"] == "FULL_STATE_DICT"
+    assert getattr(trainer_module.save_fsdp_model, _patch.MARK, False)
     assert "[liger_fsdp] FSDP2 + adapter: using fsdp_state_dict_type FULL_STATE_DICT" in capsys.readouterr().err
+    disengage(model)
+    assert "FSDP_STATE_DICT_TYPE" not in os.environ and not getattr(trainer_module.save_fsdp_model, _patch.MARK, False)
 
 
 def test_full_finetuning_keeps_accelerates_choice(base, monkeypatch):

@@ -116,11 +116,17 @@ def test_granitemoe_aux_refused():
     names_key_and_fix(str(exc.value), "liger_fsdp", "moe_aux_loss_coef")
 
 
-def test_other_class_refused():
-    with pytest.raises(LigerFsdpConfigError) as exc:
-        families.family_of("llama", None, "MyRemoteLlamaForCausalLM")
-    assert "LlamaForCausalLM" in str(exc.value)
-    names_key_and_fix(str(exc.value), "liger_fsdp", "remove")
+def test_other_class_refused_even_under_the_upstream_name():
+    """Remote code often keeps the upstream class name; the class object transformers maps the type to decides."""
+    import transformers
+
+    remote = type("LlamaForCausalLM", (transformers.LlamaForCausalLM,), {"__module__": "transformers_modules.acme"})
+    for cls in (remote, type("MyRemoteLlamaForCausalLM", (torch.nn.Module,), {})):
+        with pytest.raises(LigerFsdpConfigError) as exc:
+            families.family_of("llama", None, cls)
+        assert "transformers' LlamaForCausalLM" in str(exc.value) and cls.__module__ in str(exc.value)
+        names_key_and_fix(str(exc.value), "liger_fsdp", "remove")
+    assert families.family_of("llama", None, transformers.LlamaForCausalLM).cls == "LlamaForCausalLM"
 
 
 def test_issue_list_is_covered():

@@ -28,6 +28,17 @@ def _pairs(seed=0, pairs=2, seq=14):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def patched_trainers():
+    """What a DPO / KTO run's engage does (llamafactory.engage_model): patch that stage's trainer; undone after."""
+    from llamafactory_liger_fsdp.integration import preference as integration
+
+    undo = integration.patch_stage("dpo") + integration.patch_stage("kto")
+    yield
+    for fn in reversed(undo):
+        fn()
+
+
 def _trainer(cls, tmp_path, model, ref_model=None, **finetuning):
     from llamafactory.hparams import FinetuningArguments
     from transformers import Seq2SeqTrainingArguments

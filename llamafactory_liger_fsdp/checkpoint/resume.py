@@ -7,11 +7,11 @@
   newest complete one, with one log line. "Complete" is decided from what each writer writes last
   (Trainer: ``trainer_state.json``; ``torch.save``: the zip directory; safetensors: header offsets =
   file size; DCP: ``.metadata``), so no file has to be read in full.
-* :func:`check_state_dict_type` (parse time): an adapter run under FSDP2 with no state-dict type chosen
-  gets ``FULL_STATE_DICT`` (one log line says so and why): with accelerate's FSDP2 default,
-  ``SHARDED_STATE_DICT``, ``Trainer.save_model`` writes no adapter at all and a resume loads no Adam
-  moments (DCP loads into the empty state of a fresh optimizer). An explicit ``SHARDED_STATE_DICT`` with
-  an adapter is one clear error.
+* :func:`use_full_state_dict` (load time, with the flag on, whether or not the loss engages): an adapter run under
+  FSDP2 with no state-dict type chosen gets ``FULL_STATE_DICT`` (one log line says so and why): with accelerate's
+  FSDP2 default, ``SHARDED_STATE_DICT``, ``Trainer.save_model`` writes no adapter at all and a resume loads no Adam
+  moments (DCP loads into the empty state of a fresh optimizer). An explicit ``SHARDED_STATE_DICT`` with an adapter
+  is one clear error at parse time (:func:`refuse_sharded_state_dict`).
 """
 
 from __future__ import annotations
@@ -29,26 +29,50 @@ ADAPTER_FINETUNING = ("lora", "oft")
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-# --------------------------------------------------------------------------- parse-time checks
-def check_state_dict_type(sharding: Any, finetuning_args: Any) -> None:
-    """FSDP2 + adapter: make sure the adapter is written (FULL_STATE_DICT), or say why not."""
-    version = sharding.fsdp_version
+# --------------------------------------------------------------------------- the state-dict type
+def _adapter_under_fsdp(sharding: Any, finetuning_args: Any) -> int | None:
+    version = getattr(sharding, "fsdp_version", None)
     if version is None or getattr(finetuning_args, "finetuning_type", None) not in ADAPTER_FINETUNING:
+        return None
+    return version
+
+
+def refuse_sharded_state_dict(sharding: Any, finetuning_args: Any) -> None:
+    """Parse time (no side effect): an explicit ``SHARDED_STATE_DICT`` with an adapter under FSDP is refused."""
+    if _adapter_under_fsdp(sharding, finetuning_args) is None:
         return
-    chosen = os.environ.get("FSDP_STATE_DICT_TYPE", "").strip().upper()
-    if chosen in ("SHARDED_STATE_DICT", "2"):
+    if os.environ.get("FSDP_STATE_DICT_TYPE", "").strip().upper() in ("SHARDED_STATE_DICT", "2"):
         raise LigerFsdpConfigError(
             "`liger_fsdp: true` with a LoRA adapter under FSDP does not work with `fsdp_state_dict_type: "
             "SHARDED_STATE_DICT` (env FSDP_STATE_DICT_TYPE): the Trainer then saves no adapter at all and a resume "
             "loses the optimizer's moments. Fix: set `fsdp_state_dict_type: FULL_STATE_DICT` in the accelerate config "
             "(or FSDP_STATE_DICT_TYPE=FULL_STATE_DICT in the environment)."
         )
-    if not chosen and version == 2:
-        os.environ["FSDP_STATE_DICT_TYPE"] = "FULL_STATE_DICT"
-        info_rank0(
-            "[liger_fsdp] FSDP2 + adapter: using fsdp_state_dict_type FULL_STATE_DICT (accelerate's FSDP2 default, "
-            "SHARDED_STATE_DICT, saves no adapter); set FSDP_STATE_DICT_TYPE to choose yourself."
-        )
+
+
+def use_full_state_dict(sharding: Any, finetuning_args: Any):
+    """Load time, before the Trainer builds its accelerator: an FSDP2 adapter run with no state-dict type chosen
+    gets ``FULL_STATE_DICT`` (one log line). Returns the undo (or None when nothing was set)."""
+    if _adapter_under_fsdp(sharding, finetuning_args) != 2 or os.environ.get("FSDP_STATE_DICT_TYPE", "").strip():
+        return None
+    os.environ["FSDP_STATE_DICT_TYPE"] = "FULL_STATE_DICT"
+    info_rank0(
+        "[liger_fsdp] FSDP2 + adapter: using fsdp_state_dict_type FULL_STATE_DICT (accelerate's FSDP2 default, "
+        "SHARDED_STATE_DICT, saves no adapter); set FSDP_STATE_DICT_TYPE to choose yourself."
+    )
+    return lambda: os.environ.pop("FSDP_STATE_DICT_TYPE", None)
+
+
+def resumed_step(training_args: Any) -> int:
+    """The global step of the checkpoint this run resumes from (0 for a fresh run)."""
+    path = getattr(training_args, "resume_from_checkpoint", None)
+    if not isinstance(path, str) or not path:
+        return 0
+    try:
+        with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as f:
+            return int(json.load(f).get("global_step", 0))
+    except (OSError, ValueError, TypeError):
+        return 0
 
 
 def _given(raw_args: Any, key: str) -> bool:

@@ -12,17 +12,21 @@ LLaMA-Factory (:mod:`.llamafactory`, patched by the import hook right after each
 4. ``llamafactory.launcher.launch`` -- ``llamafactory-cli train``'s launching process checks what the
    yaml alone decides before any rank starts (one error, printed once, last).
 
-accelerate (:mod:`.accelerate`, once a model engaged under FSDP):
+Everything below is patched by :func:`.llamafactory.engage_model` only when this run needs it, recorded on the
+engaged model and undone by :func:`..engage.disengage`:
 
-5. ``FullyShardedDataParallelPlugin.set_auto_wrap_policy`` (FSDP1) and
+accelerate (:mod:`.accelerate`, once a model engaged under FSDP1 or FSDP2, that version's function only):
+
+5. ``FullyShardedDataParallelPlugin.set_auto_wrap_policy`` (FSDP1) or
    ``fsdp_utils.fsdp2_prepare_auto_wrap_policy`` (FSDP2) -- the tagged head modules become units.
 
-transformers (:mod:`.trainer`, FSDP2 + adapter, only where the installed accelerate needs it):
+transformers (:mod:`.trainer`):
 
-6. ``transformers.trainer.save_fsdp_model`` / ``load_fsdp_model`` -- :mod:`..checkpoint.repair`.
-9. ``transformers.Trainer.__init__`` -- ``label_smoothing_factor > 0``: the kernel smooths, the labels stay.
+6. ``transformers.trainer.save_fsdp_model`` / ``load_fsdp_model`` -- FSDP2 + adapter, where the installed accelerate
+   needs it (:mod:`..checkpoint.repair`), whether or not the loss engages.
+9. ``transformers.Trainer.__init__`` -- only with ``label_smoothing_factor > 0``: the kernel smooths, the labels stay.
 
-LLaMA-Factory's preference trainers (:mod:`.preference`, patched as their modules load):
+LLaMA-Factory's preference trainers (:mod:`.preference`, a DPO or KTO run, its own stage's only):
 
 7. ``CustomDPOTrainer.concatenated_forward`` and 8. ``CustomKTOTrainer.forward`` -- log-probs from the fused kernel.
 
@@ -43,15 +47,19 @@ LOADER = "llamafactory.model.loader"
 LAUNCHER = "llamafactory.launcher"
 DPO = "llamafactory.train.dpo.trainer"
 KTO = "llamafactory.train.kto.trainer"
-HOOKED_MODULES = (PARSER, LOADER, LAUNCHER, DPO, KTO)
+HOOKED_MODULES = (PARSER, LOADER, LAUNCHER)
 
 
 def on_module_loaded(name: str, module: Any) -> None:
-    """Called by the import hook right after a hooked LLaMA-Factory module has executed."""
-    from . import llamafactory, preference
+    """Called by the import hook right after a hooked LLaMA-Factory module has executed: the parser, loader and
+    launcher are hooked in every process (the keys must parse); the preference trainers are patched later, only
+    by a run of their stage (:func:`.preference.patch_stage`)."""
+    from . import llamafactory
 
     patchers = {PARSER: llamafactory.patch_parser, LOADER: llamafactory.patch_loader,
-                LAUNCHER: llamafactory.patch_launcher, DPO: preference.patch_dpo, KTO: preference.patch_kto}
+                LAUNCHER: llamafactory.patch_launcher}
+    if name not in patchers:
+        return
     try:
         patchers[name](module)
     except _patch.PatchError as exc:

@@ -1,18 +1,20 @@
-"""Patch 5 of :mod:`.` : accelerate's FSDP1/FSDP2 wrapping puts each tagged head module in its own unit."""
+"""Patch 5 of :mod:`.` : accelerate's FSDP1 or FSDP2 wrapping puts each tagged head module in its own unit (the
+function of this run's FSDP version only)."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 from .. import _patch, wrapping
 from .._log import info_rank0
 
 
-def patch_wrap_policies() -> None:
+def patch_wrap_policy(version: int | None) -> list[Callable[[], None]]:
     try:
         from accelerate.utils import dataclasses as acc_dataclasses
         from accelerate.utils import fsdp_utils
     except ImportError:  # pragma: no cover - accelerate always comes with transformers' Trainer
-        return
-    plugin_cls = acc_dataclasses.FullyShardedDataParallelPlugin
+        return []
 
     def make_v1(original):
         def set_auto_wrap_policy(self, model):
@@ -29,15 +31,18 @@ def patch_wrap_policies() -> None:
 
         return fsdp2_prepare_auto_wrap_policy
 
+    if version == 1:
+        owner, name, make, params = (acc_dataclasses.FullyShardedDataParallelPlugin, "set_auto_wrap_policy", make_v1,
+                                     ("self", "model"))
+    else:
+        owner, name, make, params = fsdp_utils, "fsdp2_prepare_auto_wrap_policy", make_v2, ("fsdp2_plugin", "model")
     try:
-        _patch.require_params(plugin_cls.set_auto_wrap_policy, ("self", "model"), "set_auto_wrap_policy")
-        _patch.apply(plugin_cls, "set_auto_wrap_policy", make_v1, "FSDP1: the trained lm_head weights get their own unit")
-        _patch.require_params(fsdp_utils.fsdp2_prepare_auto_wrap_policy, ("fsdp2_plugin", "model"),
-                              "fsdp2_prepare_auto_wrap_policy")
-        _patch.apply(fsdp_utils, "fsdp2_prepare_auto_wrap_policy", make_v2,
-                     "FSDP2: the trained lm_head weights get their own unit")
-    except _patch.PatchError as exc:
+        _patch.require_params(getattr(owner, name, None), params, name)
+        patch = _patch.apply(owner, name, make, f"FSDP{version}: the trained lm_head weights get their own unit")
+    except (_patch.PatchError, TypeError) as exc:
         info_rank0(
             f"[liger_fsdp] warning: {exc}. The loss stays exact (it runs through whichever unit owns the head), "
             "but the head is not split into its own FSDP unit, so it stays gathered with the root."
         )
+        return []
+    return [] if patch is None else [lambda: _patch.undo(patch.owner, patch.name)]

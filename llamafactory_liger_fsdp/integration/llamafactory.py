@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from types import SimpleNamespace
 from typing import Any
@@ -12,22 +13,23 @@ from .._log import info_rank0
 from ..checkpoint import resume
 from ..config import LigerFsdpConfigError
 
-_DISABLED_LOGGED = False
+SAID_ENV = "LLAMAFACTORY_LIGER_FSDP_SAID_DISABLED"  # set by the launching process for its ranks: said once
 
 
 def _log_disabled(ours: dict) -> None:
-    global _DISABLED_LOGGED
-    if ours and not _DISABLED_LOGGED:
-        _DISABLED_LOGGED = True
+    if ours and not os.environ.get(SAID_ENV):
+        os.environ[SAID_ENV] = "1"
         info_rank0(f"[liger_fsdp] {config.DISABLE_ENV}=1: the liger_fsdp keys are accepted and ignored; this run "
                    "trains as without the plugin.")
 
 
 # --------------------------------------------------------------------------- 1./2. the parser
 def config_from_args(raw: Any) -> tuple[Any, config.LigerFsdpConfig]:
-    """The raw arguments without our keys, and our validated config (off when disabled by the env)."""
+    """The raw arguments without our keys, and our validated config (off when disabled by the env; misspelled
+    keys are an error either way)."""
     rest, ours = config.split(raw)
     if config.disabled_by_env():
+        config.check_names(ours)
         _log_disabled(ours)
         return rest, config.LigerFsdpConfig()
     return rest, config.from_mapping(ours)
@@ -43,10 +45,14 @@ def patch_parser(parser_module: Any) -> None:
             result = original(parser, rest, allow_extra_keys=allow_extra_keys)
             parsed = thirdparty.parsed_args(result)
             if cfg.enabled and "training" in parsed and "finetuning" in parsed:
-                cfg = dataclasses.replace(cfg, sharding=sharding.decide(parsed["training"]))
+                training = parsed["training"]
+                cfg = dataclasses.replace(
+                    cfg, sharding=sharding.decide(training),
+                    grad_accum=int(getattr(training, "gradient_accumulation_steps", 1) or 1),
+                    label_smoothing=float(getattr(training, "label_smoothing_factor", 0.0) or 0.0))
                 _patch.log_once()
-                refusals.check_parsed(parsed, cfg.sharding)
-                resume.check_state_dict_type(cfg.sharding, parsed["finetuning"])
+                refusals.check_parsed(parsed, cfg.sharding, cfg)
+                resume.refuse_sharded_state_dict(cfg.sharding, parsed["finetuning"])
             if "finetuning" in parsed:
                 setattr(parsed["finetuning"], config.ATTR, cfg)
             return result
@@ -63,8 +69,11 @@ def patch_parser(parser_module: Any) -> None:
         def get_train_args(args=None):
             result = original(args)
             parsed = thirdparty.parsed_args(result)
-            if config.get_config(parsed.get("finetuning")).enabled and getattr(parsed.get("training"), "do_train", False):
+            cfg = config.get_config(parsed.get("finetuning"))
+            if cfg.enabled and getattr(parsed.get("training"), "do_train", False):
                 resume.check_resume(read_args(args), parsed["training"])
+                setattr(parsed["finetuning"], config.ATTR,
+                        dataclasses.replace(cfg, start_step=resume.resumed_step(parsed["training"])))
             return result
 
         return get_train_args
@@ -99,8 +108,7 @@ def patch_loader(loader_module: Any) -> None:
                 return original(tokenizer, model_args, finetuning_args, is_trainable, add_valuehead, **kwargs)
             check_family(model_args)
             model = original(tokenizer, model_args, finetuning_args, is_trainable, add_valuehead, **kwargs)
-            engage_model(model, cfg, liger=bool(getattr(model_args, "enable_liger_kernel", False)),
-                         preference=getattr(finetuning_args, "stage", "sft") in refusals.PREFERENCE_STAGES)
+            engage_model(model, cfg, finetuning_args, liger=bool(getattr(model_args, "enable_liger_kernel", False)))
             return model
 
         return load_model
@@ -112,27 +120,36 @@ def patch_loader(loader_module: Any) -> None:
                 _patch.rebind(mod, "load_model", patch.original, patch.replacement, "re-exported load_model")
 
 
-def engage_model(model: Any, cfg: config.LigerFsdpConfig, liger: bool = False, preference: bool = False):
-    """Engage the fused loss on a freshly loaded model; patch what its sharding needs."""
+def engage_model(model: Any, cfg: config.LigerFsdpConfig, finetuning_args: Any = None, liger: bool = False):
+    """Engage the fused loss on a freshly loaded model and patch only what this run needs: checkpoints for an FSDP2
+    adapter run (whether or not the loss engages), then, once engaged, the DeepSpeed ZeRO-3 dtype policy, the FSDP
+    wrap policy, label smoothing and the preference trainer of this stage. Every side effect is recorded on the
+    engaged model and undone by :func:`..engage.disengage`."""
     from .. import engage, precision
-    from . import accelerate, trainer
+    from . import accelerate, preference, trainer
 
+    stage = getattr(finetuning_args, "stage", "sft")
     kind = getattr(cfg.sharding, "kind", None)
-    if kind == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:
-        cast = precision.unify_trainable_dtype(model)
-        if cast:  # before engaging: the head strategy is detected on the final dtypes
-            info_rank0(f"[liger_fsdp] DeepSpeed ZeRO-3: trainable parameters of mixed dtypes (PEFT's LoRA weights fp32, "
-                       f"the modules_to_save copies not), which ZeRO-3's optimizer cannot take; trainable copies in "
-                       f"fp32 as LLaMA-Factory keeps them outside ZeRO-3: {cast}.")
-    done = engage.engage(model, cfg, preference=preference)
+    undo = resume.use_full_state_dict(cfg.sharding, finetuning_args)  # checkpoints: whether or not the loss engages
+    engage.record(model, [undo] if undo is not None else [])
+    if kind == sharding.FSDP2 and getattr(finetuning_args, "finetuning_type", None) in resume.ADAPTER_FINETUNING:
+        engage.record(model, trainer.patch_checkpointing(cfg))
+    done = engage.engage(model, cfg, preference=stage in refusals.PREFERENCE_STAGES)
     if done is None:
         return None
-    if kind in (None, sharding.FSDP1, sharding.FSDP2):
-        accelerate.patch_wrap_policies()
-    if kind in (None, sharding.FSDP2):
-        trainer.patch_checkpointing(cfg)
-    trainer.patch_label_smoothing()
-    _patch.log_once()
+    if kind == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:
+        cast, undo = precision.to_compute_dtype(model)
+        if cast:
+            engage.record(model, [undo])
+            info_rank0(f"[liger_fsdp] DeepSpeed ZeRO-3: trainable parameters in the compute dtype, as DeepSpeed casts "
+                       f"them itself under ZeRO-0/1/2 (its optimizer keeps fp32 master weights; ZeRO-3's cannot take "
+                       f"mixed dtypes): {cast}.")
+    if kind in (sharding.FSDP1, sharding.FSDP2):
+        engage.record(model, accelerate.patch_wrap_policy(cfg.sharding.fsdp_version))
+    if cfg.label_smoothing:
+        engage.record(model, trainer.patch_label_smoothing())
+    if stage in refusals.PREFERENCE_STAGES:
+        engage.record(model, preference.patch_stage(stage))
     if liger:
         info_rank0("[liger_fsdp] enable_liger_kernel: Liger's fused linear cross entropy is bypassed for this model "
                    "(the plugin computes the loss); Liger's other kernels stay.")
@@ -147,8 +164,8 @@ def precheck(raw: Any) -> None:
         return
     args = SimpleNamespace(**{k: rest.get(k) for k in ("deepspeed", "fsdp", "fsdp_config")})
     decided = sharding.decide(args)
-    refusals.check_raw(rest, decided)
-    resume.check_state_dict_type(decided, SimpleNamespace(finetuning_type=rest.get("finetuning_type", "lora")))
+    refusals.check_raw(rest, decided, cfg)
+    resume.refuse_sharded_state_dict(decided, SimpleNamespace(finetuning_type=rest.get("finetuning_type", "lora")))
     if rest.get("resume_from_checkpoint"):
         resume.check_resume(rest, SimpleNamespace(resume_from_checkpoint=rest["resume_from_checkpoint"]))
     try:

@@ -1,4 +1,5 @@
-"""Patches 7-8 of :mod:`.` : LLaMA-Factory's preference trainers take log-probs from the fused kernel.
+"""Patches 7-8 of :mod:`.` : LLaMA-Factory's preference trainers take log-probs from the fused kernel, patched when
+a DPO or KTO run engages (:func:`patch_stage`), the one of its stage only.
 
 7. ``llamafactory.train.dpo.trainer.CustomDPOTrainer.concatenated_forward`` (DPO, IPO, hinge, kto_pair, ORPO, SimPO,
    with ``pref_ftx``, ``ld_alpha``, ``dpo_label_smoothing``)
@@ -76,7 +77,7 @@ def patch_dpo(module: Any) -> None:
 
         return concatenated_forward
 
-    _patch.apply(cls, "concatenated_forward", make, "DPO: log-probs from the fused kernel, no [N, V] logits")
+    return _patch.apply(cls, "concatenated_forward", make, "DPO: log-probs from the fused kernel, no [N, V] logits")
 
 
 #: What LLaMA-Factory 0.9.5's CustomKTOTrainer.forward passes to the model, and whether the key takes the prefix.
@@ -104,4 +105,15 @@ def patch_kto(module: Any) -> None:
 
         return forward
 
-    _patch.apply(cls, "forward", make, "KTO: log-probs from the fused kernel, no [N, V] logits")
+    return _patch.apply(cls, "forward", make, "KTO: log-probs from the fused kernel, no [N, V] logits")
+
+
+def patch_stage(stage: str) -> list:
+    """Patch the trainer of this run's preference stage (only that one); the undo callables."""
+    import importlib
+
+    from . import DPO, KTO
+
+    name, patcher = {"dpo": (DPO, patch_dpo), "kto": (KTO, patch_kto)}[stage]
+    patch = patcher(importlib.import_module(name))
+    return [] if patch is None else [lambda: _patch.undo(patch.owner, patch.name)]
