@@ -2,17 +2,21 @@
 is active, and for a yaml what the plugin will decide, with the same code as training.
 
 Works on a machine without a GPU (a login node): when LLaMA-Factory rejects the yaml only because of this
-machine (``bf16`` without a GPU, ...) that is reported on its own line and the plugin's decision is
-evaluated as on the machine the yaml is for. Exit status: 0 whenever the yaml would train (engaged, or
-off, or not needed), 1 when training would stop (a refusal, a rejected yaml, an inactive hook with the
-flag on).
+machine (``bf16`` without a GPU, a ``deepspeed:`` yaml outside a torchrun rank, a Triton backend without
+CUDA) that is reported on its own line and the plugin's decision is evaluated as on the machine the yaml
+is for. A hub model id that cannot be read offline still gets the head kind the yaml trains. Exit status:
+0 whenever the yaml would train there (engaged, or off, or not needed), 1 when training would stop (a
+refusal, a rejected yaml, an inactive hook with the flag on).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from importlib import metadata
+
+from . import refusals
 
 PACKAGES = ("torch", "triton", "transformers", "peft", "accelerate", "deepspeed", "llamafactory", "liger-kernel",
             "llamafactory-liger-fsdp")
@@ -31,12 +35,18 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def hook_status() -> tuple[bool, str]:
-    """Whether a fresh interpreter of this environment gets the import hook."""
+HOOK_CHECK = ("import sys; b = sys.modules.get('llamafactory_liger_fsdp._bootstrap'); "
+              "print(int(bool(b is not None and b.ACTIVE and 'torch' not in sys.modules)))")
+
+
+def hook_status(python: list[str] | None = None, env: dict | None = None) -> tuple[bool, str]:
+    """Whether a fresh interpreter of this environment got the import hook *at start* (the ``.pth`` ran, or
+    ``python -m llamafactory_liger_fsdp train``'s activation): nothing is imported to find out, since importing
+    ``_bootstrap`` would install the hook and prove nothing."""
     import subprocess
 
-    code = "import sys; import llamafactory_liger_fsdp._bootstrap as b; print(int(b.ACTIVE and 'torch' not in sys.modules))"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([*(python or [sys.executable]), "-c", HOOK_CHECK], capture_output=True, text=True,
+                          env=env if env is not None else dict(os.environ))
     if proc.stdout.strip() == "1":
         return True, "active (the .pth file registers it in every Python process of this environment)"
     return False, f"NOT active in this environment. Fix: {INACTIVE_FIX}"
@@ -52,7 +62,14 @@ def _parse(path: str, overrides: list[str], machine_overrides: dict | None = Non
         raw = read_args()
     finally:
         sys.argv = saved
-    return raw, get_train_args(dict(raw, **(machine_overrides or {})))
+    args = {k: v for k, v in dict(raw, **(machine_overrides or {})).items() if v is not None}
+    with refusals.elsewhere():  # what this machine cannot run is reported apart
+        return raw, get_train_args(args)
+
+
+#: Parsed "as on the GPU machine the yaml is for": no bf16/GPU check, and no `deepspeed:` key (LLaMA-Factory parses it
+#: inside a torchrun rank only); the sharding is then decided from the yaml's DeepSpeed json.
+FOR_THE_GPU_MACHINE = {"use_cpu": True, "deepspeed": None}
 
 
 def check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, list[str]]:
@@ -69,7 +86,9 @@ def check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, lis
 
 def _check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, list[str]]:
     """(would train, report lines)."""
-    from . import config, predict
+    from types import SimpleNamespace
+
+    from . import config, predict, sharding
     from .config import LigerFsdpConfigError
 
     lines: list[str] = []
@@ -80,12 +99,21 @@ def _check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, li
         except LigerFsdpConfigError:
             raise
         except (ValueError, ImportError) as exc:
-            try:  # rejected because of this machine only? evaluate as on a GPU machine
-                raw, parsed = _parse(path, overrides, {"use_cpu": True})
+            try:  # rejected because of this machine only? evaluate as on the GPU machine
+                raw, parsed = _parse(path, overrides, FOR_THE_GPU_MACHINE)
+            except LigerFsdpConfigError:
+                raise
             except Exception:
                 return False, [f"LLaMA-Factory rejects this yaml: {exc}"]
             lines.append(f"this machine: LLaMA-Factory would reject the yaml here ({exc}); what follows is evaluated as on "
-                         "the GPU machine it is for.")
+                         "the GPU machine it is for" + (" (launched with FORCE_TORCHRUN=1, as DeepSpeed needs)"
+                                                         if raw.get("deepspeed") else "") + ".")
+            finetuning = parsed[3]
+            cfg = config.get_config(finetuning)
+            if cfg.enabled and raw.get("deepspeed"):  # decided from the yaml's json, as every rank will
+                decided = sharding.decide(SimpleNamespace(deepspeed=raw["deepspeed"]))
+                setattr(finetuning, config.ATTR, dataclasses.replace(cfg, sharding=decided))
+                refusals.check_raw(raw, decided, cfg, machine=False)
     except LigerFsdpConfigError as exc:
         return False, lines + [f"error: {exc}"]
     model_args, _, training_args, finetuning_args, _ = parsed
@@ -93,9 +121,15 @@ def _check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, li
     if not cfg.enabled:
         why = f"disabled by {config.DISABLE_ENV}" if config.disabled_by_env() else "`liger_fsdp` is not true in this yaml"
         return True, lines + [f"plugin off ({why}): the run trains without it."]
-    lines.append(f"liger_fsdp: on (backend {cfg.backend}); stage {finetuning_args.stage}; step-1 exactness guard "
+    problem = refusals.machine_problem(cfg)
+    if problem:
+        lines.append(f"this machine: {problem}")
+    lines.append(f"liger_fsdp: on (backend {cfg.backend}); stage {finetuning_args.stage}; first-step exactness guard "
                  f"{'on' if cfg.guard else 'off (`liger_fsdp_guard: false`)'}.")
     lines.append(f"sharding: {cfg.sharding.label} (from {cfg.sharding.source}).")
+    if cfg.sharding.kind == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3 and (raw.get("bf16") or raw.get("fp16")):
+        lines.append("dtypes: DeepSpeed ZeRO-3 in 16 bits: trainable parameters of mixed dtypes are cast to the compute "
+                     "dtype after loading, as DeepSpeed does itself under ZeRO-0/1/2 (fp32 masters in its optimizer).")
     decision = predict.decide(model_args, finetuning_args)
     if decision.family:
         quirks = f" (quirks: {', '.join(decision.quirks)})" if decision.quirks else ""
@@ -113,9 +147,12 @@ def _check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, li
                      "smoothed loss for causal-LM classes; for image-text classes the Trainer smooths the full logits "
                      "itself and the fused path is bypassed (the run trains correctly, without the memory saving).")
     if decision.head:
-        lines.append(f"will engage: {decision.head} (decided on the meta-device model LLaMA-Factory would build).")
+        where = "on the meta-device model LLaMA-Factory would build" if decision.family else "from the yaml alone"
+        lines.append(f"will engage: {decision.head} (decided {where}).")
     if cfg.sharding.fsdp_version:
-        sd = os.environ.get("FSDP_STATE_DICT_TYPE", "accelerate's default")
+        sd = os.environ.get("FSDP_STATE_DICT_TYPE") or (
+            "FULL_STATE_DICT (set at load time for an FSDP2 adapter run)" if cfg.sharding.fsdp_version == 2 and
+            finetuning_args.finetuning_type in ("lora", "oft") else "accelerate's default")
         lines.append(f"checkpoints: state dict {sd}.")
     return True, lines
 

@@ -40,6 +40,26 @@ def build_meta_model(model_args: Any, finetuning_args: Any):
     return model_config, init_adapter(model_config, model, model_args, finetuning_args, is_trainable=True)
 
 
+def head_from_yaml(finetuning_args: Any) -> str:
+    """The head kind the yaml alone trains (``head=...``), or why the head is frozen: what ``doctor`` can say
+    without the model's config (an offline hub id). The output embedding is named as users name it in LLaMA-Factory
+    (``lm_head``, ``embed_out``)."""
+    from .refusals import HEAD_NAMES, PREFERENCE_STAGES, _names
+
+    kind = getattr(finetuning_args, "finetuning_type", "lora")
+    for key, what in (("additional_target", "modules_to_save"), ("lora_target", "lora")):
+        named = [n for n in _names(getattr(finetuning_args, key, None)) if n in HEAD_NAMES]
+        if kind == "lora" and named:
+            return f"head={what} ({named[0]}; `{key}`)"
+    if kind == "full":
+        return "head=full (lm_head; full fine-tuning)"
+    if kind == "freeze" and any(n in HEAD_NAMES for n in _names(getattr(finetuning_args, "freeze_extra_modules", None))):
+        return "head=full (lm_head; `freeze_extra_modules`)"
+    if getattr(finetuning_args, "stage", "sft") in PREFERENCE_STAGES:
+        return "head=frozen (lm_head; the preference log-probs still come from the fused kernel)"
+    return "the yaml trains no lm_head (not in `additional_target` or `lora_target`, no full fine-tuning)"
+
+
 def decide(model_args: Any, finetuning_args: Any) -> Decision:
     from . import families, heads
     from .engage import causal_lm_of, check_model
@@ -51,7 +71,13 @@ def decide(model_args: Any, finetuning_args: Any) -> Decision:
         model_config = AutoConfig.from_pretrained(model_args.model_name_or_path,
                                                   trust_remote_code=bool(getattr(model_args, "trust_remote_code", False)))
     except Exception as exc:  # offline hub id, missing file
-        out.note = f"could not read the model's config here ({type(exc).__name__}: {exc}); it is checked at load time"
+        out.note = (f"could not read the model's config here ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
+                    "its family, class and quirks are checked at load time")
+        head = head_from_yaml(finetuning_args)
+        if head.startswith("head="):
+            out.head = head
+        else:
+            out.not_engaged = head
         return out
     out.family = getattr(model_config, "model_type", None)
     try:

@@ -9,9 +9,15 @@ head kind) live next to the code that inspects it.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any, Callable
 
+from . import versions
 from .config import LigerFsdpConfigError
+
+#: Names LLaMA-Factory users give the output embedding in `lora_target` / `oft_target` (gpt_neox: embed_out).
+HEAD_NAMES = ("lm_head", "embed_out")
 
 #: Preference stages: per-token log-probs through the fused kernel (:mod:`.preference`).
 PREFERENCE_STAGES = ("dpo", "kto")
@@ -35,11 +41,67 @@ def _flag(value: Any) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
-def check(get: Callable[[str, Any], Any], sharding: Any = None) -> None:
+def _names(value: Any) -> list[str]:
+    """A LLaMA-Factory module list: ``"q_proj,lm_head"`` in a yaml, a list once parsed."""
+    items = value if isinstance(value, (list, tuple)) else str(value or "").split(",")
+    return [str(x).strip() for x in items if str(x).strip()]
+
+
+def _head_variant(get: Callable[[str, Any], Any]) -> None:
+    """Adapters on the head that are not plain LoRA, read from the yaml (the loader would refuse them per rank)."""
+    kind = str(get("finetuning_type", "lora"))
+    if kind == "lora" and _flag(get("use_dora", False)):
+        on_head = [n for n in _names(get("lora_target", "")) if n in HEAD_NAMES]
+        if on_head:
+            raise LigerFsdpConfigError(
+                f"`liger_fsdp: true` supports plain LoRA on the head; `use_dora: true` with `{on_head[0]}` in "
+                f"`lora_target` makes the head a DoRA layer, whose weight norm the fused loss does not compute. Fix: "
+                f"take `{on_head[0]}` out of `lora_target` (and put it in `additional_target` to train a full copy), "
+                "or set `use_dora: false`, or remove `liger_fsdp`."
+            )
+    if kind == "oft":
+        on_head = [n for n in _names(get("oft_target", "")) if n in HEAD_NAMES]
+        if on_head:
+            raise LigerFsdpConfigError(
+                f"`liger_fsdp: true` does not support OFT on the head (`{on_head[0]}` in `oft_target`): the fused loss "
+                f"reads a plain or LoRA head weight. Fix: take `{on_head[0]}` out of `oft_target` (put it in "
+                "`additional_target` to train a full copy), or remove `liger_fsdp`."
+            )
+
+
+_ELSEWHERE = [False]
+
+
+@contextlib.contextmanager
+def elsewhere():
+    """Inside: the yaml is evaluated for another machine (``doctor`` on a login node); :func:`check` skips
+    :func:`machine_problem`, which the caller reports apart."""
+    _ELSEWHERE[0] = True
+    try:
+        yield
+    finally:
+        _ELSEWHERE[0] = False
+
+
+def machine_problem(cfg: Any) -> str | None:
+    """What this machine cannot run (checked where the ranks start, reported apart by ``doctor``)."""
+    backend = getattr(cfg, "backend", "auto")
+    if backend in ("triton", "triton_fast"):
+        import torch
+
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "") != "1":
+            return (f"`liger_fsdp_backend: {backend}` needs a CUDA GPU and this machine has none (Triton would stop at "
+                    "step 1 with '0 active drivers'). Fix: set `liger_fsdp_backend: auto` (triton_fast on CUDA, torch "
+                    "elsewhere), or run on the GPU machine.")
+    return None
+
+
+def check(get: Callable[[str, Any], Any], sharding: Any = None, cfg: Any = None, machine: bool = True) -> None:
     """Raise :class:`LigerFsdpConfigError` for the first setting that cannot work with the flag on.
 
     ``sharding`` (the decided :class:`.sharding.Sharding`) is there for rules that depend on it; every sharding
-    the plugin knows (none, DDP, FSDP1/2, DeepSpeed ZeRO-0..3) is supported today."""
+    the plugin knows (none, DDP, FSDP1/2, DeepSpeed ZeRO-0..3) is supported today. ``cfg`` (the plugin's keys): the
+    tested versions and, with ``machine``, what this machine cannot run."""
     stage = str(get("stage", "sft"))
     if stage not in SUPPORTED_STAGES:
         why = _STAGE_WHY.get(stage, "its loss is not the plain causal-LM loss")
@@ -59,6 +121,19 @@ def check(get: Callable[[str, Any], Any], sharding: Any = None) -> None:
                 f"`liger_fsdp: true` does not work with `{key}: true`: {why}. Fix: set `{key}: false` or remove "
                 "`liger_fsdp`."
             )
+    _head_variant(get)
+    if cfg is not None and not cfg.allow_untested_versions:
+        outside = versions.untested()
+        if outside:
+            raise LigerFsdpConfigError(
+                f"`liger_fsdp: true` was not tested with {', '.join(outside)}; the model families' quirks and the "
+                "patch points were read off the tested versions. Fix: install versions in the tested ranges "
+                "(pyproject.toml), or set `liger_fsdp_allow_untested_versions: true` to run anyway (the first-step "
+                "guard still compares the loss with the model's own)."
+            )
+    problem = machine_problem(cfg) if cfg is not None and machine and not _ELSEWHERE[0] else None
+    if problem:
+        raise LigerFsdpConfigError(problem)
 
 
 def _argv_to_dict(argv: list) -> dict[str, Any]:
@@ -74,13 +149,13 @@ def _argv_to_dict(argv: list) -> dict[str, Any]:
     return out
 
 
-def check_raw(args: Any, sharding: Any = None) -> None:
+def check_raw(args: Any, sharding: Any = None, cfg: Any = None, machine: bool = True) -> None:
     """:func:`check` on LLaMA-Factory's raw arguments (dict from yaml/json, or an argv list)."""
     values = args if isinstance(args, dict) else _argv_to_dict(list(args or []))
-    check(lambda key, default: values.get(key, default), sharding)
+    check(lambda key, default: values.get(key, default), sharding, cfg, machine)
 
 
-def check_parsed(parsed: dict[str, Any], sharding: Any = None) -> None:
+def check_parsed(parsed: dict[str, Any], sharding: Any = None, cfg: Any = None, machine: bool = True) -> None:
     """:func:`check` on LLaMA-Factory's parsed dataclasses (``thirdparty.parsed_args``)."""
     order = [parsed[r] for r in ("finetuning", "model", "training", "data") if r in parsed]
 
@@ -90,4 +165,4 @@ def check_parsed(parsed: dict[str, Any], sharding: Any = None) -> None:
                 return getattr(obj, key)
         return default
 
-    check(get, sharding)
+    check(get, sharding, cfg, machine)

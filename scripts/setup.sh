@@ -14,4 +14,5 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q -e .
   echo "$want" > "$stamp"
 fi
-.venv/bin/python -c "import llamafactory_liger_fsdp._bootstrap as b; assert b.ACTIVE, 'import hook not active'"
+# the .pth hook must have run at interpreter start (importing _bootstrap here would install it and prove nothing)
+.venv/bin/python -c "import sys; b = sys.modules.get('llamafactory_liger_fsdp._bootstrap'); assert b is not None and b.ACTIVE, 'import hook not active: the .pth file did not run'"

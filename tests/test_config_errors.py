@@ -2,6 +2,7 @@
 its key and a fix."""
 
 import json
+import os
 import sys
 from types import SimpleNamespace
 
@@ -181,7 +182,76 @@ def test_dora_head_refused():
 
 
 def test_disable_env_accepts_and_ignores_the_keys(base, monkeypatch, capsys):
+    from llamafactory_liger_fsdp.integration.llamafactory import SAID_ENV
+
     monkeypatch.setenv(config.DISABLE_ENV, "1")
+    monkeypatch.delenv(SAID_ENV, raising=False)
     *_, finetuning_args, _ = _train_args(dict(base, liger_fsdp=True, liger_fsdp_backend="nonsense"))
     assert config.get_config(finetuning_args).enabled is False
-    assert f"[liger_fsdp] {config.DISABLE_ENV}=1: the liger_fsdp keys are accepted and ignored" in capsys.readouterr().err
+    _train_args(dict(base, liger_fsdp=True))  # a second parse (a torchrun rank after its launcher) says nothing
+    err = capsys.readouterr().err
+    assert err.count(f"[liger_fsdp] {config.DISABLE_ENV}=1: the liger_fsdp keys are accepted and ignored") == 1, err
+
+
+def test_disabled_plugin_still_catches_misspelled_keys(base, monkeypatch):
+    monkeypatch.setenv(config.DISABLE_ENV, "1")
+    with pytest.raises(LigerFsdpConfigError) as err:
+        _train_args(dict(base, liger_fsdp=True, liger_fsdp_gaurd=False))
+    names_key_and_fix(str(err.value), "liger_fsdp_gaurd", "spelling")
+
+
+@pytest.mark.parametrize("extra,key", [(dict(lora_target="q_proj,lm_head", use_dora=True), "use_dora: true"),
+                                       (dict(finetuning_type="oft", oft_target="q_proj,lm_head"), "oft_target")])
+def test_head_variant_refused_from_the_yaml(base, extra, key):
+    """DoRA / OFT on the head: decided by the yaml, so refused before any rank starts (raw) with the parsed text."""
+    with pytest.raises(LigerFsdpConfigError) as raw:
+        refusals.check_raw(dict(base, **extra))
+    names_key_and_fix(str(raw.value), key, "lm_head", "additional_target")
+    with pytest.raises(LigerFsdpConfigError) as parsed:
+        _train_args(dict(base, liger_fsdp=True, **extra))
+    assert str(parsed.value) == str(raw.value)
+    refusals.check_raw(dict(base, lora_target="q_proj,v_proj", use_dora=True))  # DoRA elsewhere is fine
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_fast"])
+def test_triton_backend_needs_cuda(base, monkeypatch, backend):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tests' own interpreter switch
+    cfg = config.from_mapping({"liger_fsdp": True, "liger_fsdp_backend": backend})
+    with pytest.raises(LigerFsdpConfigError) as err:
+        refusals.check_raw(base, None, cfg)
+    names_key_and_fix(str(err.value), f"liger_fsdp_backend: {backend}", "liger_fsdp_backend: auto")
+    with refusals.elsewhere():  # doctor on a login node reports it apart
+        refusals.check_raw(base, None, cfg)
+
+
+def test_untested_versions_said_with_the_override(base, monkeypatch):
+    from llamafactory_liger_fsdp import versions
+
+    assert versions.untested() == []  # the stack the tests run on is a tested one
+    assert versions.untested({"torch": "2.14.1+cu130", "transformers": "5.17.0", "peft": "0.18.1"}) == []
+    assert versions.untested({"torch": "2.15.0", "transformers": "5.5.4"}) == [
+        "torch 2.15.0 (tested: 2.11 to 2.14)", "transformers 5.5.4 (tested: 5.6 to 5.17)"]
+    monkeypatch.setattr(versions, "installed", lambda name: {"transformers": "5.18.0"}.get(name))
+    with pytest.raises(LigerFsdpConfigError) as err:
+        refusals.check_raw(base, None, config.from_mapping({"liger_fsdp": True}))
+    names_key_and_fix(str(err.value), "liger_fsdp_allow_untested_versions: true", "tested ranges")
+    assert "transformers 5.18.0 (tested: 5.6 to 5.17)" in str(err.value)
+    refusals.check_raw(base, None, config.from_mapping({"liger_fsdp": True, "liger_fsdp_allow_untested_versions": True}))
+
+
+def test_pyproject_ranges_are_the_tested_ones():
+    import re
+    import tomllib
+
+    from llamafactory_liger_fsdp import versions
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    for dep in deps:
+        name, lo, hi = re.fullmatch(r"([a-z]+)>=([\d.]+),<([\d.]+)", dep).groups()
+        t_lo, t_hi = versions.TESTED[name]
+        parts = [int(x) for x in t_hi.split(".")]
+        parts[-1] += 1  # "<" the next release after the highest tested one
+        assert (lo, hi) == (t_lo, ".".join(map(str, parts))), dep
+    assert {re.match(r"[a-z]+", d).group() for d in deps} == set(versions.TESTED) - {"triton"}

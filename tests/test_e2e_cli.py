@@ -89,14 +89,32 @@ def test_frozen_head_says_why(assets, tmp_path):
     assert "[liger_fsdp] not engaged: lm_head is frozen" in log
 
 
-@pytest.mark.parametrize("bad", [dict(stage="rm"), dict(liger_fsdp_backend="cuda")])
-def test_refused_once_before_any_rank_starts(assets, tmp_path, bad):
-    """What the yaml alone decides is said once, by the launching process, as the last line."""
-    rc, log, _ = run_cli(base_yaml(assets, tmp_path / "bad", liger_fsdp=True, **bad), nproc=2)
+@pytest.mark.parametrize("bad,key", [
+    (dict(stage="rm"), "stage: rm"), (dict(liger_fsdp_backend="cuda"), "liger_fsdp_backend"),
+    (dict(lora_target="q_proj,lm_head", use_dora=True, additional_target=None), "use_dora: true"),
+    (dict(liger_fsdp_backend="triton"), "liger_fsdp_backend: triton")])
+def test_refused_once_before_any_rank_starts(assets, tmp_path, bad, key):
+    """What the yaml alone decides is said once, by the launching process, as the last line (DoRA on the head and a
+    Triton backend on a machine without CUDA included)."""
+    rc, log, _ = run_cli(base_yaml(assets, tmp_path / "bad", liger_fsdp=True, **bad), nproc=2,
+                         extra_env={"TRITON_INTERPRET": None})
     assert rc != 0
     assert log.count("[liger_fsdp] error:") == 1, log[-3000:]
     assert log.strip().splitlines()[-1].startswith("[liger_fsdp] error: "), log[-3000:]
-    assert "Initializing 2 distributed tasks" not in log and "ChildFailedError" not in log
+    assert f"`{key}" in log.strip().splitlines()[-1]
+    assert "Initializing 2 distributed tasks" not in log and "ChildFailedError" not in log and "Traceback" not in log
+
+
+def test_disabled_said_once_and_misspelled_keys_still_caught(assets, tmp_path):
+    off = {"LLAMAFACTORY_LIGER_FSDP_DISABLE": "1"}
+    cfg = base_yaml(assets, tmp_path / "disabled", liger_fsdp=True, liger_fsdp_guard=False, max_steps=1)
+    rc, log, _ = run_cli(cfg, nproc=2, extra_env=off)
+    assert rc == 0, log[-6000:]
+    assert log.count("the liger_fsdp keys are accepted and ignored") == 1, log[-6000:]  # launcher, not again in rank 0
+    assert "[liger_fsdp] engaged" not in log and "[liger_fsdp] patched" not in log
+    cfg = base_yaml(assets, tmp_path / "typo", liger_fsdp=True, liger_fsdp_gaurd=False, max_steps=1)
+    rc, log, _ = run_cli(cfg, nproc=2, extra_env=off)
+    assert rc != 0 and log.strip().splitlines()[-1].startswith("[liger_fsdp] error: Unknown key(s) `liger_fsdp_gaurd`")
 
 
 def test_train_command_activates_without_the_pth_hook(assets, tmp_path):
@@ -106,7 +124,13 @@ def test_train_command_activates_without_the_pth_hook(assets, tmp_path):
     cfg = base_yaml(assets, tmp_path / "off", liger_fsdp=True, max_steps=2)
     rc, log, _ = run_cli(cfg, nproc=2, extra_env=no_pth)
     assert rc != 0 and "Some keys are not used by the HfArgumentParser: ['liger_fsdp']" in log  # really inactive
-    cfg = base_yaml(assets, tmp_path / "on", liger_fsdp=True, max_steps=2, **FSDP2)
-    rc, log, losses = run_cli(cfg, nproc=2, extra_env=no_pth, module_train=True)
+    cfg = base_yaml(assets, tmp_path / "on", liger_fsdp=True, max_steps=2)
+    # no other sitecustomize on the path (the CPU FSDP shim is one): DDP on 2 ranks
+    rc, log, losses = run_cli(cfg, nproc=2, extra_env=no_pth, module_train=True, shim=False)
     assert rc == 0, log[-6000:]
-    assert "[liger_fsdp] engaged: head=modules_to_save (lm_head), sharding=FSDP2" in log and len(losses) == 2
+    assert "[liger_fsdp] engaged: head=modules_to_save (lm_head), sharding=DDP" in log and len(losses) == 2
+    assert "sitecustomize" not in log, log[-6000:]  # was: "Error in sitecustomize ... KeyError" in every worker
+    # what this SFT run patched, and nothing else (no DPO/KTO trainer, no Trainer.__init__ without label smoothing)
+    patched = [l.split("patched ", 1)[1].split(":")[0] for l in log.splitlines() if "[liger_fsdp] patched" in l]
+    assert sorted(set(patched)) == ["llamafactory.hparams.parser._parse_args", "llamafactory.hparams.parser.get_train_args",
+                                    "llamafactory.model.loader.load_model"], patched

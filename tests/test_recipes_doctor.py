@@ -130,6 +130,40 @@ def test_doctor_versions_and_hook():
     assert "import hook: active" in out
 
 
+def test_hook_check_tells_whether_the_pth_ran():
+    """An install the .pth never reaches (`pip install --target`, a package on PYTHONPATH): the package imports, but
+    `llamafactory-cli train` would reject `liger_fsdp`. The check must not install the hook by importing it."""
+    from llamafactory_liger_fsdp import doctor
+
+    assert doctor.hook_status()[0] is True
+    no_site = dict(os.environ, PYTHONPATH=ROOT)  # -S: no site-packages, no .pth; the package still importable
+    assert doctor.hook_status([sys.executable, "-S"], no_site)[0] is False
+    assert doctor.hook_status(env=dict(os.environ, LLAMAFACTORY_LIGER_FSDP_PTH="0"))[0] is False
+    activated = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "llamafactory_liger_fsdp", "_activate") + os.pathsep + ROOT)
+    assert doctor.hook_status([sys.executable, "-S"], activated)[0] is False  # -S skips sitecustomize too
+    assert doctor.hook_status(env=dict(activated, LLAMAFACTORY_LIGER_FSDP_PTH="0"))[0] is True  # `... train`'s way
+
+
+@pytest.mark.parametrize("path", GPU_RECIPES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_doctor_would_train_every_recipe_offline(path, monkeypatch):
+    """Hub model ids cannot be read here: the decision still comes from the yaml (head kind, sharding), the machine's
+    complaints on their own line, and it would train (exit 0) -- DeepSpeed recipes included, with FORCE_TORCHRUN
+    set or not. In process (`doctor.check_yaml`, what `main` prints and turns into the exit status)."""
+    from llamafactory_liger_fsdp import doctor
+
+    monkeypatch.chdir(ROOT)  # the recipes name recipes/deepspeed/*.json relative to the repository
+    for torchrun in ([False, True] if "deepspeed:" in open(path).read() else [False]):
+        if torchrun:
+            monkeypatch.setenv("FORCE_TORCHRUN", "1")
+        ok, lines = doctor.check_yaml(path)
+        out = "\n".join(lines)
+        assert ok, out
+        assert "could not read the model's config here" in out and "will engage: head=" in out, out
+        assert "decided from the yaml alone" in out and "sharding: " in out
+        if "deepspeed:" in open(path).read():
+            assert "sharding: DeepSpeed ZeRO-3" in out and "this machine: LLaMA-Factory would reject" in out
+
+
 @pytest.fixture(scope="module")
 def qwen7b_config(tmp_path_factory):
     """Qwen2.5-7B's real config (no weights): the doctor builds that model on the meta device."""
@@ -174,7 +208,10 @@ def test_doctor_decides_like_training(assets, tmp_path):
     assert rc == 0 and "plugin off" in out, out
     rc, out = _doctor(_yaml(tmp_path, "dora", assets, liger_fsdp=True, additional_target=None,
                             lora_target="q_proj,lm_head", use_dora=True))
-    assert rc == 1 and "error: `liger_fsdp: true` supports plain LoRA on lm_head; this head uses DoRA" in out, out
+    assert rc == 1 and "error: `liger_fsdp: true` supports plain LoRA on the head; `use_dora: true`" in out, out
+    rc, out = _doctor(_yaml(tmp_path, "triton", assets, liger_fsdp=True, liger_fsdp_backend="triton"),
+                      TRITON_INTERPRET="0")
+    assert rc == 0 and "this machine: `liger_fsdp_backend: triton` needs a CUDA GPU" in out, out
     rc, out = _doctor(_yaml(tmp_path, "rm", assets, liger_fsdp=True, stage="rm"))
     assert rc == 1 and "error: `liger_fsdp: true` does not work with `stage: rm`" in out, out
 

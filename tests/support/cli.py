@@ -82,9 +82,10 @@ FSDP1 = dict(
 
 
 def run_cli(cfg: dict, nproc: int | None = None, fsdp1: bool = False, timeout: int = 600, extra_env: dict | None = None,
-            module_train: bool = False):
+            module_train: bool = False, shim: bool = True):
     """`llamafactory-cli train cfg.yaml` (or `python -m llamafactory_liger_fsdp train cfg.yaml` with
-    ``module_train``); returns (returncode, log text, per-step losses)."""
+    ``module_train``); returns (returncode, log text, per-step losses). ``shim``: with ``nproc``, put the test-only
+    CPU FSDP shim (a sitecustomize) on the workers' path."""
 
     import yaml
 
@@ -99,7 +100,8 @@ def run_cli(cfg: dict, nproc: int | None = None, fsdp1: bool = False, timeout: i
         env.update(FORCE_TORCHRUN="1", NPROC_PER_NODE=str(nproc), FSDP_STATE_DICT_TYPE="FULL_STATE_DICT")
         if cfg.get("deepspeed"):
             env["CUDA_VISIBLE_DEVICES"] = ""
-        env["PYTHONPATH"] = str(SHIM) + os.pathsep + env.get("PYTHONPATH", "")
+        if shim:
+            env["PYTHONPATH"] = str(SHIM) + os.pathsep + env.get("PYTHONPATH", "")
         if fsdp1:
             env["CPU_FSDP_SHIM_SKIP_SAVE"] = "1"
     for key, value in (extra_env or {}).items():  # None removes a variable
