@@ -4,7 +4,8 @@
   the special tokens of LLaMA-Factory's ``llama3`` template (so nothing is resized);
 * a 2-layer Llama (hidden 64, random weights) saved with ``save_pretrained``;
 * 64 alpaca-style rows and the ``dataset_info.json`` that registers them as ``tiny_alpaca``, with pairwise
-  (``tiny_pairs``, ``ranking: true``) and KTO (``tiny_kto``) versions of them for the preference stages.
+  (``tiny_pairs``, ``ranking: true``) and KTO (``tiny_kto``) versions of them for the preference stages, and
+  ``tiny_empty_answers`` (every second answer empty: with ``template: empty`` those rows have no labelled token).
 
 Usage: python recipes/tiny_cpu/make_assets.py OUT_DIR [--model-type llama|qwen2] [--tied]
 """
@@ -119,12 +120,14 @@ def main() -> None:
     with open(os.path.join(args.out, "data", "tiny_alpaca.json"), "w") as f:
         json.dump(rows, f, indent=1)
     pairs, kto = make_preference_rows(rows)
-    for name, data in (("tiny_pairs.json", pairs), ("tiny_kto.json", kto)):
+    empty = [dict(r, output="") if i % 2 else r for i, r in enumerate(rows)]  # real data: every second answer empty
+    for name, data in (("tiny_pairs.json", pairs), ("tiny_kto.json", kto), ("tiny_empty_answers.json", empty)):
         with open(os.path.join(args.out, "data", name), "w") as f:
             json.dump(data, f, indent=1)
     with open(os.path.join(args.out, "data", "dataset_info.json"), "w") as f:
         json.dump({
             "tiny_alpaca": {"file_name": "tiny_alpaca.json"},
+            "tiny_empty_answers": {"file_name": "tiny_empty_answers.json"},
             "tiny_pairs": {"file_name": "tiny_pairs.json", "ranking": True, "columns": {
                 "prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected"}},
             "tiny_kto": {"file_name": "tiny_kto.json", "columns": {
