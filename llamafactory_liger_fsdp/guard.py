@@ -27,15 +27,17 @@ slicing); the logits still exist for the slice only. ``num_items_in_batch`` is l
 
 Decisions are the same on every rank (all-reduces before and after the two forwards): token ids or labels outside
 the vocabulary stop every rank with a data error naming ``resize_vocab``; a step in which no rank has a labelled
-position defers the check to the next step; an exception of the model's own forward (out of memory, a collective
-failure, a shape bug) propagates unchanged on its rank and stops the others with one line pointing to it; a
-mismatch stops every rank with both numbers.
+position defers the check to the next step; a mismatch stops every rank with both numbers. An exception of the model's
+own forward (out of memory, a collective failure, a shape bug) propagates unchanged, at once, with a note saying where
+it ran: no collective follows it, since the other ranks may be waiting inside one of the forward's own (an all-reduce
+there would pair with their all-gather); the launcher (torchrun, accelerate) stops them when this rank exits.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from ._log import info_rank0, rank
 from .config import LigerFsdpConfigError, LigerFsdpDataError
@@ -51,20 +53,38 @@ def bounds(dtype: torch.dtype) -> tuple[float, float]:
     return BOUNDS.get(dtype, LOW_PRECISION)
 
 
+TAINT = "_liger_fsdp_guard_fp32"
+
+
+def _tainted(values) -> bool:
+    return any(getattr(v, TAINT, False) for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor))
+
+
 class _Fp32Head(TorchFunctionMode):
-    """Inside the output embedding's call: ``F.linear`` in fp32 from its (autocast-cast) operands, and no floating
-    tensor rounded to 16 bits (PEFT's ``result.to(dtype)``, FSDP2's ``output_dtype`` cast)."""
+    """Inside the output embedding's call: ``F.linear`` in fp32 from its (autocast-cast) operands, and what is computed
+    from those fp32 results is never rounded to 16 bits (PEFT's ``result.to(dtype)``, FSDP2's ``output_dtype`` cast).
+    Those results are tracked (an attribute on every tensor computed from them), so the sharding library's own casts
+    of parameters (FSDP2 casting a shard to ``param_dtype`` for its all-gather) are left alone."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.linear:
-            return _linear_fp32(*args, **kwargs)
-        if func in (torch.Tensor.to, torch.Tensor.type, torch.Tensor.bfloat16, torch.Tensor.half) and args and \
-                isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32:
-            target = _target_dtype(func, args[1:], kwargs)
-            if target in (torch.bfloat16, torch.float16):
-                return args[0]
-        return func(*args, **kwargs)
+            out = _linear_fp32(*args, **kwargs)
+            setattr(out, TAINT, True)
+            return out
+        tainted = _tainted((args, kwargs))
+        if tainted and func in _CASTS and args[0].dtype == torch.float32 and \
+                _target_dtype(func, args[1:], kwargs) in (torch.bfloat16, torch.float16):
+            return args[0]
+        out = func(*args, **kwargs)
+        if tainted:
+            for value in tree_flatten(out)[0]:
+                if isinstance(value, torch.Tensor):
+                    setattr(value, TAINT, True)
+        return out
+
+
+_CASTS = (torch.Tensor.to, torch.Tensor.type, torch.Tensor.bfloat16, torch.Tensor.half)
 
 
 def _target_dtype(func, args, kwargs):
@@ -246,24 +266,16 @@ def check(causal_lm, family, original, signature, fused, params: dict, extra: di
         )
     if not any_labels:
         return False
-    failure = None
     try:
         bad, text = _compare(causal_lm, original, signature, fused, params, extra, labels, r, start, end)
-    except Exception as exc:  # not a mismatch: re-raised unchanged below, after the other ranks heard of it
-        failure, bad, text = exc, True, ""
+    except Exception as exc:  # not a mismatch: the same error, at once (no collective after it: the other ranks may
+        if hasattr(exc, "add_note"):  # be inside one of the forward's; the launcher stops them when this rank exits)
+            exc.add_note(f"[liger_fsdp] raised inside the first-step guard (step {step}), by the model's own forward "
+                         "or the fused loss on a slice of the micro-batch; `liger_fsdp_guard: false` skips the check.")
+        raise
     if not n:  # collectives run in both forwards, so a rank without labels runs them too and only skips the verdict
         bad, text = False, "not checked on this rank: no labelled position in its slice"
-    mismatch, failed_rank = _all_max([float(bad and failure is None), rank() + 1 if failure is not None else 0],
-                                     labels.device)
-    if failure is not None:
-        if hasattr(failure, "add_note"):  # the error itself is unchanged; the note says where it ran
-            failure.add_note(f"[liger_fsdp] raised inside the first-step guard (step {step}), by the model's own forward "
-                             "or the fused loss on a slice of the micro-batch; `liger_fsdp_guard: false` skips the "
-                             "check.")
-        raise failure
-    if failed_rank:
-        raise RuntimeError(f"liger_fsdp guard: rank {int(failed_rank) - 1} failed in the model's own forward on step "
-                           f"{step} (its error is in its log); every rank stops with it.")
+    (mismatch,) = _all_max([float(bad)], labels.device)
     if mismatch:
         if not bad:
             text = f"this rank's slice agreed ({text}); another rank's did not (see its error)"
