@@ -10,9 +10,15 @@ is rounded to 4 digits; the returned one is fp32 on the CPU and already bf16 und
 mean over ranks of the summed micro-batch losses) and ``peak_mib_per_rank``. The final save_model is
 skipped (benchmark only: writing multi-GB embed/head copies says nothing about the loss).
 
+``LF_BENCH_PROFILE_STEP=N``: a torch.profiler table of step N (top ops by device self time) in result.json.
+
 ``LF_BENCH_LIGER_LOSS_ONLY=1`` (CPU smoke runs only): ``enable_liger_kernel`` then installs only
 Liger's fused loss -- its RMSNorm/RoPE/SwiGLU Triton kernels do not run under the CPU interpreter,
-and the failure being reproduced is in the fused loss alone."""
+and the failure being reproduced is in the fused loss alone.
+
+``LF_BENCH_COMPUTE_DTYPE=1``: every trainable parameter cast to the compute dtype right after LLaMA-Factory's
+``load_model`` (sft, dpo and kto workflows; ``precision.to_compute_dtype``), the line ``[lf_bench] compute dtype:``
+says what was cast -- the same-dtype-policy baselines under ZeRO-3."""
 
 import json
 import os
@@ -40,6 +46,18 @@ def _peak_mib(reset=False):
 PHASES: dict = {}  # forward / backward peaks of the current step (see main)
 
 
+def _profile_table(prof, step, top=30):
+    """``LF_BENCH_PROFILE_STEP=N``: where step N's time goes -- the ops with the most device (else CPU) self time, and
+    the step's device-time total, as rows of the result JSON."""
+    events = prof.key_averages()
+    dev = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    key = dev if torch.cuda.is_available() else "self_cpu_time_total"
+    rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:top]
+    return {"step": step, "device_ms_total": sum(getattr(e, dev, 0) for e in events) / 1e3,
+            "ops": [{"name": e.key[:120], "calls": e.count, "self_device_ms": getattr(e, dev, 0) / 1e3,
+                     "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in rows]}
+
+
 class BenchCallback(TrainerCallback):
     def __init__(self, out, micro_losses):
         self.out, self.steps, self.losses, self.t0 = out, [], [], None
@@ -49,6 +67,10 @@ class BenchCallback(TrainerCallback):
         self.phase = {}
 
     def on_step_begin(self, args, state, control, **kw):
+        if int(os.environ.get("LF_BENCH_PROFILE_STEP", "0") or 0) == state.global_step + 1:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []))
+            self.prof.__enter__()
         _sync()
         self.run_peak = max(self.run_peak, _peak_mib(reset=True))
         self.phase = {}
@@ -75,6 +97,10 @@ class BenchCallback(TrainerCallback):
         self.steps.append({"s": elapsed, "peak_mib": self.run_peak, **self.phase,
                            "tokens_seen": int(getattr(state, "num_input_tokens_seen", 0) or 0)})
         self.step_losses.append(sum(self.micro_losses))
+        if getattr(self, "prof", None) is not None:
+            self.prof.__exit__(None, None, None)
+            self.profile = _profile_table(self.prof, state.global_step)
+            self.prof = None
 
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:
@@ -91,7 +117,7 @@ class BenchCallback(TrainerCallback):
         if int(os.environ.get("RANK", "0")) == 0:
             n = min(len(r["step_losses"]) for r in every)
             with open(self.out, "w") as f:
-                json.dump({"steps": self.steps, "losses": self.losses,
+                json.dump({"steps": self.steps, "losses": self.losses, "profile": getattr(self, "profile", None),
                            "step_losses": [sum(r["step_losses"][i] for r in every) / len(every) for i in range(n)],
                            "peak_mib_per_rank": [r["peak_mib"] for r in every]}, f)
 
@@ -106,21 +132,24 @@ def _liger_loss_only():
         setattr(lt, name, functools.partial(fn, rope=False, rms_norm=False, swiglu=False))
 
 
-def _fp32_copies():
-    """Runs without the plugin under the plugin's ZeRO-3 dtype policy (trainable copies in fp32, fp32 islands):
-    the unfused baseline of the same setup (as shipped, LLaMA-Factory's bf16 ZeRO-3 run with trained copies stops
-    in DeepSpeed's defragment assertion)."""
+def _compute_dtype():
+    """Runs without the plugin under the plugin's ZeRO-3 dtype policy: every trainable parameter cast to the compute
+    dtype (the frozen weights') right after LLaMA-Factory's load_model, as DeepSpeed does itself under ZeRO-0/1/2 --
+    the unfused baselines of the same setup (as shipped, LLaMA-Factory's bf16 ZeRO-3 run with trained copies stops in
+    DeepSpeed's defragment assertion: LoRA weights fp32, modules_to_save copies bf16)."""
     import importlib
 
     from llamafactory_liger_fsdp import precision
 
-    for name in ("llamafactory.train.sft.workflow", "llamafactory.train.dpo.workflow"):
+    for name in ("llamafactory.train.sft.workflow", "llamafactory.train.dpo.workflow", "llamafactory.train.kto.workflow"):
         module = importlib.import_module(name)
         original = module.load_model
 
         def load_model(*args, _original=original, **kwargs):
             model = _original(*args, **kwargs)
-            print(f"[lf_bench] fp32 copies: {precision.unify_trainable_dtype(model)}", flush=True)
+            cast, _undo = precision.to_compute_dtype(model)
+            print(f"[lf_bench] compute dtype: {cast or 'nothing to cast (trainable dtypes not mixed, or not 16-bit)'}",
+                  flush=True)
             return model
 
         module.load_model = load_model
@@ -155,8 +184,8 @@ def main():
     accelerate.Accelerator.backward = timed_backward
     if os.environ.get("LF_BENCH_LIGER_LOSS_ONLY") == "1":
         _liger_loss_only()
-    if os.environ.get("LF_BENCH_FP32_COPIES") == "1":
-        _fp32_copies()
+    if os.environ.get("LF_BENCH_COMPUTE_DTYPE") == "1":
+        _compute_dtype()
     from llamafactory.train.tuner import run_exp
 
     run_exp(callbacks=[BenchCallback(out, micro)])

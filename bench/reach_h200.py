@@ -3,9 +3,10 @@ shapes with their real heads, random weights, LoRA r 16 `all` + embed_tokens/lm_
 does each run through bench/lf_bench_launch.py: tokens/s, peak memory by phase, per-step losses):
 
 * ``zero3``: SFT under DeepSpeed ZeRO-3 at world size 1 (it still partitions), 16k tokens a step:
-  ``plain`` as shipped (stops in DeepSpeed's defragment assertion: mixed trainable dtypes), ``plain_fp32`` (no plugin,
-  the plugin's dtype policy applied by the bench: the unfused baseline), ``liger_fsdp`` (the plugin), ``liger``
-  (Liger's fused loss, same dtype policy, with its ``stage3_param_persistence_threshold`` workaround).
+  ``plain`` as shipped (stops in DeepSpeed's defragment assertion: mixed trainable dtypes), ``plain_bf16`` (no plugin,
+  the plugin's dtype policy -- trainable parameters in the compute dtype -- applied by the bench: the unfused
+  baseline), ``liger_fsdp`` (the plugin), ``liger`` (Liger's fused loss, same dtype policy, with its
+  ``stage3_param_persistence_threshold`` workaround).
 * ``dpo``: DPO (sigmoid, LoRA as the reference) under FSDP2 at world size 1, 2 x 8k tokens a step (one pair),
   plain vs ``liger_fsdp``; and SFT ``liger_fsdp`` with the step-1 guard off, for its cost.
 
@@ -41,9 +42,9 @@ def zero3(work: str, steps: int, models: list[str]) -> list[dict]:
     for name in models:
         mdir = build(work, name, MODELS[name], 2)
         ds = dict(fsdp=None, fsdp_config=None, deepspeed=_ds_json(work))
-        runs = [("plain", "plain", ds, None), ("plain", "plain_fp32", ds, {"LF_BENCH_FP32_COPIES": "1"}),
+        runs = [("plain", "plain", ds, None), ("plain", "plain_bf16", ds, {"LF_BENCH_COMPUTE_DTYPE": "1"}),
                 ("liger_fsdp_auto", "liger_fsdp", ds, None),
-                ("liger", "liger_persist", dict(ds, deepspeed=_ds_json(work, 1e11)), {"LF_BENCH_FP32_COPIES": "1"})]
+                ("liger", "liger_persist", dict(ds, deepspeed=_ds_json(work, 1e11)), {"LF_BENCH_COMPUTE_DTYPE": "1"})]
         for variant, label, overrides, env in runs:
             row = run(mdir, MODELS[name], variant, steps, work, overrides=overrides, env=env, tag=f"{name}_z3_{label}")
             row.update(variant=label, sharding="DeepSpeed ZeRO-3")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -62,11 +63,29 @@ def _line(log, needle):
     return hit[hit.index(needle):].strip() if hit else None
 
 
-def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=16384, overrides=None, env=None, tag=None):
+def error_line(log):
+    """The first line naming an exception (not torchrun's ChildFailedError), from a worker's ``[rankN]:`` traceback
+    if there is one, with the failing statement when the exception has no message (a bare ``AssertionError``);
+    None when there is none."""
+    lines = log.splitlines()
+    for group in ([l for l in lines if re.match(r"^\[rank\d+\]:", l)], lines):
+        group = [re.sub(r"^\[rank\d+\]:\s?", "", l).rstrip() for l in group]
+        for i, line in enumerate(group):
+            if re.match(r"^([A-Za-z_][\w.]*)?(Error|Exception|Interrupt)\b(:|$)", line) and "ChildFailed" not in line:
+                if ":" not in line:  # bare exception: add the statement above it (skipping ^^^ markers)
+                    above = [l.strip() for l in group[max(0, i - 4):i] if l.strip() and set(l.strip()) - set("^~ ")]
+                    line = f"{line}: {above[-1]}" if above else line
+                return line[:400]
+    return None
+
+
+def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=16384, overrides=None, env=None, tag=None,
+        timeout=900, launch=True):
     """One `llamafactory-cli train`-equivalent run (torchrun + bench/lf_bench_launch.py); returns its row.
 
     ``overrides`` update the yaml (e.g. ``fsdp_config`` keys), ``env`` the environment (a value of
-    None removes a variable)."""
+    None removes a variable). A run still going after ``timeout`` s is stopped (SIGTERM: torchrun ends its
+    workers) and gives an error row. ``launch=False`` only writes the yaml and returns {"yaml", "config"}."""
     out = os.path.join(work, tag or f"{os.path.basename(mdir)}_{variant}")
     fsdp_config = {"version": fsdp_version, "transformer_layer_cls_to_wrap": spec["layer"]}
     if fsdp_version == 1:
@@ -93,6 +112,8 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
     path = out + ".yaml"
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
+    if not launch:
+        return {"yaml": path, "config": cfg}
     res_path = out + ".json"
     if os.path.exists(res_path):
         os.remove(res_path)
@@ -102,17 +123,29 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
             run_env.pop(key, None)
         else:
             run_env[key] = value
-    proc = subprocess.run(["torchrun", "--nproc_per_node", str(nproc), os.path.join(ROOT, "bench", "lf_bench_launch.py"), path, res_path],
-                          capture_output=True, text=True, env=run_env, timeout=900)
-    log = proc.stdout + proc.stderr
+    proc = subprocess.Popen(["torchrun", "--nproc_per_node", str(nproc), os.path.join(ROOT, "bench", "lf_bench_launch.py"),
+                             path, res_path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env)
+    timed_out = False
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        proc.terminate()  # torchrun passes SIGTERM on to its workers (a SIGKILL would leave them running)
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+    log = stdout + stderr
     with open(out + ".log", "w") as f:
         f.write(log)
     row = {"model": os.path.basename(mdir), "variant": variant, "log": out + ".log", "nproc": nproc, "fsdp_version": fsdp_version,
-           "tokens_per_gpu_step": cutoff, "rc": proc.returncode,
+           "tokens_per_gpu_step": cutoff, "rc": proc.returncode or (0 if os.path.exists(res_path) else 1),
            "engaged": _line(log, "[liger_fsdp] engaged"), "memory_line": _line(log, "[liger_fsdp] memory")}
     if proc.returncode != 0 or not os.path.exists(res_path):
         errs = [l for l in log.splitlines() if "Error" in l or "error:" in l]
-        row["error"] = (errs[-1] if errs else log[-600:])[:400]
+        row["error"] = (f"timeout: the run was stopped after {timeout:.0f} s" if timed_out else
+                        error_line(log) or (errs[-1] if errs else log[-600:])[:400])
         row["log_tail"] = log[-3000:]
         return row
     res = json.load(open(res_path))
@@ -125,7 +158,7 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
                tokens_per_step=per_step, step_s=statistics.median(times), tokens_per_s=per_step / statistics.median(times),
                tokens_per_s_per_gpu=per_step / statistics.median(times) / nproc,
                peak_gib=max(s["peak_mib"] for s in res["steps"]) / 1024, losses=res["losses"],
-               step_losses=res.get("step_losses"), peak_gib_per_rank=[m / 1024 for m in res.get("peak_mib_per_rank", [])],
+               step_losses=res.get("step_losses"), profile=res.get("profile"), peak_gib_per_rank=[m / 1024 for m in res.get("peak_mib_per_rank", [])],
                **{f"{phase}_peak_gib": max(s.get(f"{phase}_peak_mib", 0) for s in steps) / 1024
                   for phase in ("fwd_bwd", "optimizer", "forward", "backward")})
     return row

@@ -6,6 +6,11 @@
 #   bash bench/run_h200.sh reach zero3|dpo   # bench/reach_h200.py: ZeRO-3 SFT, DPO, the guard's cost
 #   bash bench/run_h200.sh multi    # bench/multi_gpu_fsdp.py on every GPU of the machine (on one GPU:
 #                                   # FSDP2 at world size 1, 20-step curves, as far as one GPU goes)
+#   SPEED_ARGS="--scenarios fsdp2_sft,zero3_sft_bf16" bash bench/run_h200.sh speed
+#                                   # bench/speed_h200.py: side-by-side runs per scenario and variant, appended to
+#                                   # $OUT/h200_speed.json, which starts as a copy of bench/results/h200_speed.json when
+#                                   # there is one (copy the returned file back there between calls); the whole command
+#                                   # stays under SPEED_LIMIT s (default 570): no run starts past the deadline
 # Wheels that the image lacks travel in .whl/ (see bench/RESULTS.md); results go to $OUT (or bench/results).
 set -uo pipefail
 OUT=${OUT:-bench/results}
@@ -27,7 +32,7 @@ case "${1:-kernel}" in
     OUT=$OUT bash "$0" kernel-only
     OUT=$OUT bash "$0" sft
     ;;
-  sft|multi|reach)
+  sft|multi|reach|speed)
     # the plugin itself is pip-installed for real (its .pth hook must land in site-packages)
     python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/llamafactory_liger_fsdp-*.whl || exit 1
     install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
@@ -36,6 +41,17 @@ case "${1:-kernel}" in
     if [ "$1" = reach ]; then
       timeout 570 python3 bench/reach_h200.py "$2" --out "$OUT/h200_reach_$2.json" ${REACH_ARGS:-} 2>&1 | tee "$OUT/reach_$2.log"
       tail -c 6000 /tmp/real_size/*.log > "$OUT/reach_$2_runs.log" 2>/dev/null
+      exit 0
+    fi
+    if [ "$1" = speed ]; then
+      limit=${SPEED_LIMIT:-570}  # seconds for this whole command, the installs above included
+      prev=bench/results/h200_speed.json  # rows so far: appended to, run numbers continue
+      if [ -f "$prev" ] && [ ! -e "$OUT/h200_speed.json" ]; then cp "$prev" "$OUT/h200_speed.json"; fi
+      timeout $((limit - SECONDS)) python3 bench/speed_h200.py --out "$OUT/h200_speed.json" --deadline $((limit - 15 - SECONDS)) \
+        ${SPEED_ARGS:-} 2>&1 | tee "$OUT/speed.log"
+      for f in /tmp/real_size/*_r[0-9]*.log; do  # failed runs (no result JSON) keep a longer log tail
+        [ -e "$f" ] && [ ! -s "${f%.log}.json" ] && tail -c 6000 "$f" > "$OUT/speed_fail_$(basename "$f")"
+      done 2>/dev/null
       exit 0
     fi
     if [ "$1" = multi ]; then

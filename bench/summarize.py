@@ -1,6 +1,10 @@
 """Print the markdown tables of bench/RESULTS.md from the committed JSON (no GPU needed).
 
     python bench/summarize.py
+    python bench/summarize.py speed [--speed-json bench/results/h200_speed.json] [--png-dir DIR]
+
+``speed``: bench/speed_h200.py's rows -- one table per scenario (median over runs, ratios to plain / liger) and two
+PNG charts next to the JSON (or in --png-dir): h200_speed_tokens.png and h200_speed_memory.png.
 """
 
 import json
@@ -83,7 +87,110 @@ def fsdp_table(name):
               f"{r['optimizer_peak_gib']:.2f} | {curve} |")
 
 
+VARIANT_ORDER = ("plain", "liger", "plugin", "plugin+liger")
+COLORS = {"plain": "#7f7f7f", "liger": "#1f77b4", "plugin": "#d62728", "plugin+liger": "#ff7f0e"}
+
+
+def _median(xs):
+    import statistics
+
+    return statistics.median(xs) if xs else None
+
+
+def _speed_groups(rows):
+    """{scenario: {variant: [rows]}}, scenarios in first-seen order, variants in VARIANT_ORDER."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["scenario"], {}).setdefault(r["variant"], []).append(r)
+    rank = {v: i for i, v in enumerate(VARIANT_ORDER)}
+    return {s: dict(sorted(vs.items(), key=lambda kv: rank.get(kv[0], len(rank)))) for s, vs in groups.items()}
+
+
+def speed_tables(rows):
+    first = rows[0] if rows else {}
+    vers = ", ".join(f"{k} {v}" for k, v in (first.get("versions") or {}).items() if v)
+    print(f"{len(rows)} run(s); {first.get('device', '?')}; {vers}" + (" (SMOKE: CPU plumbing check)" if first.get("smoke") else ""))
+    for scenario, variants in _speed_groups(rows).items():
+        ok = {v: [r for r in rs if not r.get("rc")] for v, rs in variants.items()}
+        med = {v: _median([r["tokens_per_s"] for r in rs]) for v, rs in ok.items()}
+        refs = ["plain", "liger"] if scenario.endswith(("_sft", "_sft_bf16")) or "liger" in variants else ["plain"]
+        any_rows = next(iter(variants.values()))
+        print(f"\n**{scenario}**: {any_rows[0].get('setup', '')}\n")
+        print("| variant | runs (ok/all) | median tokens/s | median peak GiB | " + " | ".join(f"x {ref}" for ref in refs) + " | note |")
+        print("|---" * (5 + len(refs)) + "|")
+        for v, rs in variants.items():
+            if not ok[v]:
+                err = next((r.get("error") for r in rs if r.get("error")), "")
+                print(f"| {v} | 0/{len(rs)} | - | - | " + " | ".join("-" for _ in refs) + f" | failed: `{(err or '')[:110]}` |")
+                continue
+            ratios = [f"{med[v] / med[ref]:.3f}" if med.get(ref) else "-" for ref in refs]
+            notes = sorted({f"persistence {r['ds_persistence']}" for r in rs if r.get("ds_persistence") not in (None, "auto")}
+                           | {"compute-dtype cast" for r in rs if (r.get("env") or {}).get("LF_BENCH_COMPUTE_DTYPE")}
+                           | {f"failed: `{(r.get('error') or '')[:80]}`" for r in rs if r.get("rc")})
+            print(f"| {v} | {len(ok[v])}/{len(rs)} | {med[v]:.0f} | {_median([r['peak_gib'] for r in ok[v]]):.2f} | "
+                  + " | ".join(ratios) + f" | {', '.join(notes)} |")
+
+
+def speed_charts(rows, png_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _speed_groups(rows)
+    variants = [v for v in VARIANT_ORDER if any(v in vs for vs in groups.values())]
+    variants += sorted({v for vs in groups.values() for v in vs} - set(variants))
+    width = 0.8 / max(len(variants), 1)
+    paths = []
+    for key, label, name in (("tokens_per_s", "tokens/s (median bar, one dot per run)", "h200_speed_tokens.png"),
+                             ("peak_gib", "peak GiB allocated (median bar, one dot per run)", "h200_speed_memory.png")):
+        fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(groups) + 2), 5))
+        for i, vs in enumerate(groups.values()):
+            present = [v for v in variants if v in vs]  # each scenario's own variants, centred on its tick
+            for j, v in enumerate(present):
+                x = i + (j - (len(present) - 1) / 2) * width
+                vals = [r[key] for r in vs[v] if not r.get("rc") and r.get(key) is not None]
+                if vals:
+                    ax.bar(x, _median(vals), width * 0.9, color=COLORS.get(v, "#2ca02c"))
+                    ax.scatter([x + width * (k - (len(vals) - 1) / 2) * 0.25 for k in range(len(vals))], vals, s=12,
+                               color="black", zorder=3)
+                else:  # every run of this variant failed
+                    ax.text(x, 0, "failed", rotation=90, ha="center", va="bottom", fontsize=7, color=COLORS.get(v, "k"))
+        ax.legend([plt.Rectangle((0, 0), 1, 1, color=COLORS.get(v, "#2ca02c")) for v in variants], variants, fontsize=8)
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels(list(groups), rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        first = rows[0]
+        ax.set_title(("SMOKE (CPU, tiny model)" if first.get("smoke") else f"{first.get('device', '?')}, 2-layer Llama-3-8B shape")
+                     + f", world size 1, {first.get('date', '')[:10]}", fontsize=9)
+        ax.set_ylim(bottom=0)
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        paths.append(os.path.join(png_dir, name))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    print("\ncharts: " + ", ".join(paths))
+
+
+def speed(path, png_dir=None):
+    rows = json.load(open(path))
+    speed_tables(rows)
+    if rows:
+        speed_charts(rows, png_dir or os.path.dirname(os.path.abspath(path)))
+
+
 if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Print bench/RESULTS.md's tables from bench/results/ (no GPU needed).")
+    ap.add_argument("section", nargs="?", default="all", choices=["all", "speed"],
+                    help="all: the tables printed so far (default); speed: bench/speed_h200.py's rows and charts")
+    ap.add_argument("--speed-json", default=os.path.join(HERE, "h200_speed.json"))
+    ap.add_argument("--png-dir", default=None, help="where the speed charts go (default: next to --speed-json)")
+    args = ap.parse_args()
+    if args.section == "speed":
+        speed(args.speed_json, args.png_dir)
+        raise SystemExit(0)
     kernel_table()
     print()
     check_table()

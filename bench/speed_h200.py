@@ -1,0 +1,256 @@
+"""Side-by-side LLaMA-Factory runs on one H200 (world size 1): tokens/s, peak memory and per-step losses for each
+scenario and variant, one JSON row per run appended to ``--out``. The model is the 2-layer Llama-3-8B shape of
+bench/real_size_sft.py (real 128k head, random weights), LoRA r16, bf16; each run is bench/real_size_sft.run (torchrun
++ bench/lf_bench_launch.py): tokens/s = tokens a step / median step time after step 1.
+
+Scenarios (variants): fsdp2_sft, zero2_sft, zero3_sft (plain, liger, plugin, plugin+liger) -- LoRA `all` +
+embed_tokens,lm_head, 16k packed tokens a step, FSDP2 / DeepSpeed ZeRO-2 / ZeRO-3 as shipped; zero3_sft_bf16 (plain,
+liger, plugin) -- ZeRO-3 with every trainable parameter in the compute dtype (LF_BENCH_COMPUTE_DTYPE=1; the plugin
+applies that policy itself), liger also with stage3_param_persistence_threshold 1e11; zero3_lora_head (plain, plugin)
+-- LoRA on the head, no additional_target; {dpo,kto,orpo,simpo}_{2k,8k} (plain, plugin) -- FSDP2, LoRA as the
+reference, one pair (KTO: one example + its KL completion) a step whose answers fill cutoff_len 2048 / 8192.
+Variants: plain, liger (enable_liger_kernel), plugin (liger_fsdp: true), plugin+liger (both).
+
+    python bench/speed_h200.py [--scenarios fsdp2_sft,dpo_8k] [--variants plain,plugin] [--runs 2] [--steps 5]
+                               [--out bench/results/h200_speed.json] [--deadline 540] [--dry-run | --smoke]
+
+Run r plays the variants in order on even r and reversed on odd r; run numbers continue those already in --out for
+the scenario. --deadline S: no run starts that would end (by the longest run so far) more than S s after the start.
+--smoke: CPU plumbing check (tiny local model, fp32, no FSDP/DeepSpeed, 3 steps, a temp JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reach_h200 import ZERO3  # noqa: E402
+from real_size_sft import MODELS, ROOT, _line, build, run  # noqa: E402
+
+SPEC = MODELS["llama3-8b"]
+KEYS = {"plain": "plain", "liger": "liger", "plugin": "liger_fsdp_auto", "plugin+liger": "liger+liger_fsdp"}
+ALL4 = ("plain", "liger", "plugin", "plugin+liger")
+DTYPE_ENV = {"LF_BENCH_COMPUTE_DTYPE": "1"}
+HEAD_LORA = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
+MAKE_ASSETS = os.path.join(ROOT, "recipes", "tiny_cpu", "make_assets.py")
+# asset set -> (cutoff_len, answer words, rows) on the H200 / in --smoke; ~1.45 tokens a word with the tiny tokenizer
+ASSETS = {"sft": (16384, (300, 500), 400), "2k": (2048, (1500, 1600), 32), "8k": (8192, (6500, 7000), 32)}
+SMOKE_ASSETS = {"sft": (256, (6, 24), 64), "2k": (128, (100, 110), 16), "8k": (256, (200, 220), 16)}
+SFT_SETUP = "LoRA r16 all + embed_tokens,lm_head, 16k packed tokens a step"
+SCENARIOS = {
+    "fsdp2_sft": dict(assets="sft", variants=ALL4, ds=None, setup=f"FSDP2, {SFT_SETUP}"),
+    "zero2_sft": dict(assets="sft", variants=ALL4, ds=2, setup=f"ZeRO-2, {SFT_SETUP}"),
+    "zero3_sft": dict(assets="sft", variants=ALL4, ds=3, setup=f"ZeRO-3 as shipped, {SFT_SETUP}"),
+    "zero3_sft_bf16": dict(assets="sft", variants=("plain", "liger", "plugin"), ds=3, persistence={"liger": 1e11},
+                           env={"plain": DTYPE_ENV, "liger": DTYPE_ENV},
+                           setup=f"ZeRO-3, trainable params in the compute dtype, {SFT_SETUP}"),
+    "zero3_lora_head": dict(assets="sft", variants=("plain", "plugin"), ds=3,
+                            cfg=dict(lora_target=HEAD_LORA, additional_target=None),
+                            setup="ZeRO-3, LoRA r16 on the 7 projections + lm_head (no additional_target), 16k packed"),
+}
+PREF = {"dpo": dict(stage="dpo", pref_loss="sigmoid"), "kto": dict(stage="kto", dataset="tiny_kto"),
+        "orpo": dict(stage="dpo", pref_loss="orpo"), "simpo": dict(stage="dpo", pref_loss="simpo")}  # tiny_* assets
+for _loss, _pcfg in PREF.items():
+    for _len in ("2k", "8k"):
+        SCENARIOS[f"{_loss}_{_len}"] = dict(
+            assets=_len, variants=("plain", "plugin"), ds=None,
+            cfg=dict({"dataset": "tiny_pairs", **_pcfg}, pref_beta=0.1, packing=False, learning_rate=1e-6),  # random weights
+            setup=f"FSDP2, {_loss.upper()}, LoRA r16 all + embed_tokens,lm_head, LoRA as the reference, answers fill "
+                  f"cutoff_len {ASSETS[_len][0]}" + (" (tokens/s: input_ids only, not the KL completions)" * (_loss == "kto")))
+
+
+def asset_dir(work, key, smoke):
+    return os.path.join(work, f"smoke_{key}" if smoke else "llama3-8b" if key == "sft" else f"llama3-8b_pref{key}")
+
+
+def assets(work, key, smoke):
+    """The model + data directory of one asset set; the preference sets link the SFT set's weights (same config, and
+    the tokenizers built here give the special tokens the same ids)."""
+    mdir = asset_dir(work, key, smoke)
+    if os.path.exists(os.path.join(mdir, "model", "config.json")):
+        return mdir
+    _, words, rows = (SMOKE_ASSETS if smoke else ASSETS)[key]
+    cmd = [sys.executable, MAKE_ASSETS, mdir, "--rows", str(rows), "--answer-words", *map(str, words)]
+    if smoke:
+        subprocess.run(cmd, check=True)
+        return mdir
+    if key == "sft":
+        return build(work, "llama3-8b", SPEC, 2, rows=rows, answer_words=words)
+    base = os.path.join(assets(work, "sft", smoke), "model")
+    subprocess.run(cmd + ["--no-model"], check=True)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(mdir, "model"))
+    config = json.load(open(os.path.join(base, "config.json")))
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    if any(config.get(k) != v for k, v in ids.items()):
+        raise SystemExit(f"{mdir}: tokenizer ids {ids} differ from {base}/config.json")
+    for name in sorted(os.listdir(base), key=lambda n: n == "config.json"):  # config.json last: marks the set complete
+        dst = os.path.join(mdir, "model", name)
+        if name.endswith((".safetensors", ".safetensors.index.json")) or name in ("config.json", "generation_config.json"):
+            os.remove(dst) if os.path.lexists(dst) else None  # a set left half-linked by a stopped call
+            os.symlink(os.path.join(base, name), dst)
+    return mdir
+
+
+def ds_json(work, stage, persistence=None):
+    config = json.loads(json.dumps(ZERO3))
+    if stage == 2:
+        config["zero_optimization"] = {"stage": 2, "overlap_comm": False, "contiguous_gradients": True,
+                                       "reduce_scatter": True, "allgather_bucket_size": 500_000_000,
+                                       "reduce_bucket_size": 500_000_000}
+    elif persistence is not None:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
+    path = os.path.join(work, f"ds_z{stage}_{persistence or 'auto'}.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def run_args(work, name, variant, mdir, smoke):
+    """(cutoff, yaml overrides, env, notes for the row) of one run."""
+    sc = SCENARIOS[name]
+    cutoff = (SMOKE_ASSETS if smoke else ASSETS)[sc["assets"]][0]
+    cfg = {"dataset": "tiny_alpaca", **sc.get("cfg", {})}
+    stage = cfg.get("stage", "sft")
+    # tokenize once per asset set / stage / dataset / cutoff (LLaMA-Factory saves it there, later runs load it)
+    cfg["tokenized_path"] = os.path.join(mdir, f"tokenized_{stage}_{cfg['dataset']}_{cutoff}")
+    env, persistence = dict(sc.get("env", {}).get(variant, {})), sc.get("persistence", {}).get(variant)
+    notes = {"setup": sc["setup"], "env": env}
+    if sc["ds"] and not smoke:
+        cfg.update(fsdp=None, fsdp_config=None, deepspeed=ds_json(work, sc["ds"], persistence))
+        notes["ds_persistence"] = persistence or "auto"
+    if smoke:  # one CPU process: no FSDP / DeepSpeed, fp32; Liger's loss only, interpreted
+        cfg.update(fsdp=None, fsdp_config=None, bf16=None, use_cpu=True, preprocessing_num_workers=None)
+        env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", LF_BENCH_LIGER_LOSS_ONLY="1",
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return cutoff, cfg, env, notes
+
+
+def versions():
+    from importlib import metadata
+
+    out = {}
+    for dist in ("torch", "transformers", "peft", "accelerate", "deepspeed", "llamafactory", "liger_kernel", "trl",
+                 "llamafactory_liger_fsdp"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _now():
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def load(path):
+    return json.load(open(path)) if os.path.exists(path) else []
+
+
+def save(path, rows):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(rows, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenarios", default=None, help="comma list (default: all; --smoke: fsdp2_sft,dpo_2k)")
+    ap.add_argument("--variants", default=None, help="comma list (default: each scenario's own; --smoke: plain,plugin)")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=None, help="default 5 (--smoke: 3)")
+    ap.add_argument("--out", default=None, help="default bench/results/h200_speed.json (--smoke: a temp file)")
+    ap.add_argument("--work", default=None, help="default /tmp/real_size (--smoke: /tmp/speed_smoke)")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds from the start; no run starts past it")
+    ap.add_argument("--dry-run", action="store_true", help="write and print each run's yaml, run nothing")
+    ap.add_argument("--smoke", action="store_true", help="CPU plumbing check on the tiny local model")
+    args = ap.parse_args()
+    t0, smoke = time.monotonic(), args.smoke
+    names = (args.scenarios or ("fsdp2_sft,dpo_2k" if smoke else ",".join(SCENARIOS))).split(",")
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
+    wanted = (args.variants or ("plain,plugin" if smoke else ",".join(KEYS))).split(",")
+    if set(wanted) - set(KEYS):
+        ap.error(f"unknown variant(s) {sorted(set(wanted) - set(KEYS))}; known: {', '.join(KEYS)}")
+    steps = args.steps or (3 if smoke else 5)
+    out = args.out or (os.path.join(tempfile.gettempdir(), "h200_speed_smoke.json") if smoke else
+                       os.path.join(ROOT, "bench", "results", "h200_speed.json"))
+    work = args.work or ("/tmp/speed_smoke" if smoke else "/tmp/real_size")
+    os.makedirs(work, exist_ok=True)
+    existing, vers, session = load(out), versions(), _now()
+    device = "cpu (smoke)" if smoke else None
+    done, skipped, walls = [], [], []
+    for name in names:
+        variants = [v for v in SCENARIOS[name]["variants"] if v in wanted]
+        r0 = 1 + max((r["run"] for r in existing if r["scenario"] == name and bool(r.get("smoke")) == smoke), default=-1)
+        for r in range(r0, r0 + args.runs):
+            for variant in variants if r % 2 == 0 else variants[::-1]:
+                if args.dry_run:
+                    mdir = asset_dir(work, SCENARIOS[name]["assets"], smoke)
+                    cutoff, cfg, env, _ = run_args(work, name, variant, mdir, smoke)
+                    res = run(mdir, SPEC, KEYS[variant], steps, work, cutoff=cutoff, overrides=cfg,
+                              tag=f"{name}_{variant}_r{r}", launch=False)
+                    print(f"### {name} {variant} run {r}  env={env}\n{open(res['yaml']).read()}")
+                    continue
+                mdir = assets(work, SCENARIOS[name]["assets"], smoke)
+                if device is None:
+                    import torch
+
+                    device = torch.cuda.get_device_name(0)
+                elapsed = time.monotonic() - t0
+                if args.deadline and elapsed + max(walls, default=45) > args.deadline:
+                    skipped.append(f"{name}:{variant}:r{r}")
+                    continue
+                cutoff, cfg, env, notes = run_args(work, name, variant, mdir, smoke)
+                timeout = max(30, args.deadline - elapsed) if args.deadline else 900
+                start = time.monotonic()
+                row = run(mdir, SPEC, KEYS[variant], steps, work, cutoff=cutoff, overrides=cfg, env=env,
+                          tag=f"{name}_{variant}_r{r}", timeout=timeout)
+                walls.append(time.monotonic() - start)
+                if args.deadline and str(row.get("error", "")).startswith("timeout"):  # the budget's, not a result
+                    skipped.append(f"{name}:{variant}:r{r}(stopped at the deadline)")
+                    continue
+                log = open(row["log"]).read() if os.path.exists(row["log"]) else ""
+                if "log_tail" in row:  # keep the worker's traceback, not torchrun's own
+                    row["log_tail"] = row["log_tail"].split("torch/distributed/elastic/multiprocessing/api.py")[0][-1500:]
+                row.update(scenario=name, variant=variant, run=r, wall_s=round(walls[-1], 1), date=_now(), session=session,
+                           device=device, versions=vers, smoke=smoke, steps=steps, cutoff_len=cutoff,
+                           cast=_line(log, "[lf_bench] compute dtype") or _line(log, "[liger_fsdp] DeepSpeed ZeRO-3: train"),
+                           liger_line=_line(log, "Liger kernel has been applied"), **notes)
+                done.append(row)
+                save(out, load(out) + [row])
+                print(f"[speed] {name} {variant} r{r}: rc {row['rc']}, {row.get('tokens_per_s') or 0:.0f} tokens/s, "
+                      f"{row.get('peak_gib') or 0:.2f} GiB, {walls[-1]:.0f} s {row.get('error') or ''}", flush=True)
+    if args.dry_run:
+        return
+    print(f"\n{len(done)} row(s) appended to {out} ({time.monotonic() - t0:.0f} s); {device}; "
+          + " ".join(f"{k} {v}" for k, v in vers.items()))
+    print(f"{'scenario':16s} {'variant':12s} {'r':>2s} {'tok/s':>7s} {'GiB':>6s} {'wall':>5s}  losses / error")
+    for row in done:
+        tail = (row.get("error") or "")[:80] if row.get("rc") else " ".join(f"{x:.4f}" for x in row.get("step_losses") or [])
+        print(f"{row['scenario']:16s} {row['variant']:12s} {row['run']:2d} {row.get('tokens_per_s') or 0:7.0f} "
+              f"{row.get('peak_gib') or 0:6.2f} {row['wall_s']:5.0f}  {tail}")
+    if skipped:
+        print(f"not run (--deadline {args.deadline:.0f} s): {' '.join(skipped)}")
+    medians = {}
+    for row in load(out):
+        if not row.get("rc") and bool(row.get("smoke")) == smoke:
+            medians.setdefault((row["scenario"], row["variant"]), []).append(row)
+    print("all rows in the file, median over runs: " + "; ".join(
+        f"{s} {v} x{len(rs)} {statistics.median(r['tokens_per_s'] for r in rs):.0f} tok/s "
+        f"{statistics.median(r['peak_gib'] for r in rs):.1f} GiB" for (s, v), rs in medians.items()))
+
+
+if __name__ == "__main__":
+    main()
