@@ -223,3 +223,49 @@ def test_tied_embeddings_survive(tmp_path_factory, tmp_path):
     rel_merged = rel_norm(export_logits(assets, ref_out, tmp_path, dumped["input_ids"]), dumped["logits"])
     print("tied plain PEFT / merged vs sharded logits rel", rel_peft, rel_merged)
     assert rel_peft <= TOL and rel_merged <= TOL
+
+
+def test_frozen_head_fsdp2_checkpoints_resume(assets, tmp_path):
+    """A frozen head (LoRA + `additional_target: embed_tokens` only) under FSDP2: the fused loss does not engage
+    (one line says so), and still every checkpoint holds full tensors and resumes on both ranks where the installed
+    accelerate (< 1.15) writes rank 0's FSDP2 shards only -- the checkpoint repair does not depend on engaging."""
+    from safetensors.torch import load_file
+
+    from llamafactory_liger_fsdp.thirdparty import is_dtensor
+
+    frozen = dict(additional_target="embed_tokens", max_steps=4)
+    embed = "base_model.model.model.embed_tokens.modules_to_save.default.weight"  # the trained copy, model names
+    ref_out = tmp_path / "frozen_ref"
+    rc, log, _ = run_cli(_yaml(assets, ref_out, **frozen), nproc=2)
+    assert rc == 0, log[-6000:]
+    assert "[liger_fsdp] not engaged: lm_head is frozen" in log
+    assert "[liger_fsdp] engaged" not in log
+    ref = step_losses(ref_out)
+    assert sorted(ref) == [1, 2, 3, 4], ref
+
+    final = load_file(ref_out / "adapter_model.safetensors")
+    assert not any("lm_head" in k for k in final), sorted(final)
+    assert tuple(final["base_model.model.model.embed_tokens.weight"].shape) == (384, 64)
+    for step in (2, 4):
+        ckpt = ref_out / f"checkpoint-{step}"
+        adapter = load_file(ckpt / "adapter_model.safetensors")
+        assert adapter.keys() == final.keys()
+        assert all(adapter[k].shape == final[k].shape for k in final)
+        # what the Trainer resumes from: full tensors of every trained parameter, not rank 0's DTensor shards
+        saved = torch.load(ckpt / "pytorch_model_fsdp.bin", map_location="cpu", weights_only=False)
+        shards = sorted(k for k, v in saved.items() if is_dtensor(v))
+        assert not shards, f"checkpoint-{step} holds rank 0's FSDP2 shards: {shards[:3]}"
+        assert tuple(saved[embed].shape) == (384, 64), (step, sorted(saved)[:5])
+        assert len(saved) == len(final)  # each trained parameter once (LoRA A/B of every target, the embed copy)
+    assert torch.equal(load_file(ref_out / "checkpoint-4" / "adapter_model.safetensors")[
+        "base_model.model.model.embed_tokens.weight"], final["base_model.model.model.embed_tokens.weight"])
+
+    out = tmp_path / "frozen_resumed"
+    ckpt = _copy_checkpoint(ref_out / "checkpoint-2", out)
+    rc, log, _ = run_cli(_yaml(assets, out, resume_from_checkpoint=str(ckpt), **frozen), nproc=2)
+    assert rc == 0, log[-6000:]
+    assert "Resuming training from checkpoint with epoch 0 and global step 2" in log
+    print("frozen head FSDP2 resume rel diff", _assert_curve(step_losses(out), ref, range(3, 5)))
+    resumed = load_file(out / "adapter_model.safetensors")
+    assert resumed.keys() == final.keys()
+    assert max(rel_norm(resumed[k], final[k]) for k in final) <= TOL
