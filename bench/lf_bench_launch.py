@@ -53,9 +53,14 @@ def _profile_table(prof, step, top=30):
     dev = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     key = dev if torch.cuda.is_available() else "self_cpu_time_total"
     rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:top]
-    return {"step": step, "device_ms_total": sum(getattr(e, dev, 0) for e in events) / 1e3,
+    cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    stalls = ("cudaMalloc", "cudaFree", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"step": step, "kernel_ms": sum(e.device_time for e in kernels) / 1e3, "kernels": len(kernels),
             "ops": [{"name": e.key[:120], "calls": e.count, "self_device_ms": getattr(e, dev, 0) / 1e3,
-                     "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in rows]}
+                     "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in rows],
+            "cpu_top": [{"name": e.key[:120], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in cpu],
+            "stalls": {e.key: [e.count, e.self_cpu_time_total / 1e3] for e in events if e.key.startswith(stalls)}}
 
 
 class BenchCallback(TrainerCallback):

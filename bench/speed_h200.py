@@ -227,7 +227,8 @@ def main():
                 row.update(scenario=name, variant=variant, run=r, wall_s=round(walls[-1], 1), date=_now(), session=session,
                            device=device, versions=vers, smoke=smoke, steps=steps, cutoff_len=cutoff,
                            cast=_line(log, "[lf_bench] compute dtype") or _line(log, "[liger_fsdp] DeepSpeed ZeRO-3: train"),
-                           liger_line=_line(log, "Liger kernel has been applied"), **notes)
+                           liger_line=_line(log, "Liger kernel has been applied"),
+                           trace_invalidated=log.count("Invalidate trace cache"), **notes)
                 done.append(row)
                 save(out, load(out) + [row])
                 print(f"[speed] {name} {variant} r{r}: rc {row['rc']}, {row.get('tokens_per_s') or 0:.0f} tokens/s, "

@@ -15,7 +15,8 @@ ever multiplied: at 25% ignored labels the ``8 N_v H V`` flops of the lean path 
   tiles are chosen from ``mem_budget`` by :func:`plan_tiles`.
 * **Fast** (``triton_fast``): gradients computed in forward for chunks of ``c`` rows x all of
   V (``6 N_v H V``); ``dh`` [N_v, H] and ``dW`` [V, H] kept in fp32 until backward multiplies
-  them by ``grad_output`` and rounds once. ``reduction="none"`` with gradients uses the lean path
+  them by ``grad_output`` and rounds once. One ``[c, V]`` fp32 buffer per call: the chunk's logits,
+  then its 16-bit dz written over them (:func:`_dz_inplace_kernel`). ``reduction="none"`` with gradients uses the lean path
   (per-row ``grad_output`` is not known in forward).
 
 Exactness: ``dz`` is rounded to the input dtype *unscaled* and without the target's
@@ -42,7 +43,7 @@ DEFAULT_MEM_BUDGET = 1024 * 1024 * 1024  # lean path working memory (chosen from
 # Fast path row chunk: fewer chunks = fewer passes over the fp32 [V, H] dW accumulator (8 V H bytes
 # each); chosen from bench/RESULTS.md section 1.
 FAST_CHUNK_ROWS = 3072
-FAST_CHUNK_MAX_BYTES = 6 * 1024 * 1024 * 1024  # fp32 logits + dz of one chunk, at most
+FAST_CHUNK_MAX_BYTES = 6 * 1024 * 1024 * 1024  # fp32 logits of one chunk (dz is written over them), at most
 MIN_TILE = 2048  # smallest backward tile side at real sizes (tests lower it)
 MAX_SLAB = 8192  # widest vocabulary slab of the lean tiles
 FP16_DZ_SCALE = 2.0**15  # |dz| <= 1, so dz * 2^15 <= 32768 < 65504
@@ -156,6 +157,42 @@ def _dz_kernel(
     else:
         out = g.to(dz_ptr.dtype.element_ty)
     tl.store(dz_ptr + r64 * stride_dz + cols[None, :], out, mask=mask)
+
+
+@triton.jit
+def _dz_inplace_kernel(
+    z_ptr, stride_z, dz_ptr, stride_dz, m_ptr, inv_s_ptr, n_rows, n_cols, softcap, off_target, out_scale,
+    HAS_SOFTCAP: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """:func:`_dz_kernel` with ``dz`` written over ``z`` (the same storage; a 16-bit dz row occupies the first half
+    of its fp32 z row): one program walks whole rows, column block by column block; a block's 16-bit results land on
+    z entries of that block or earlier ones, already loaded, and the barrier keeps every load of a block before any
+    store of it."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    r64 = rows.to(tl.int64)[:, None]
+    m = tl.load(m_ptr + rows, mask=rmask, other=0.0)
+    inv_s = tl.load(inv_s_ptr + rows, mask=rmask, other=0.0)
+    for off in range(0, n_cols, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        mask = rmask[:, None] & (cols < n_cols)[None, :]
+        z = tl.load(z_ptr + r64 * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            zc, th = _softcap(z, softcap)
+        else:
+            zc = z
+        g = tl.exp(zc - m[:, None]) * inv_s[:, None] - off_target
+        if HAS_SOFTCAP:
+            g = g * (1.0 - th * th)
+        g = g * out_scale
+        if IS_BF16:
+            bits = g.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            out = g.to(dz_ptr.dtype.element_ty)
+        tl.debug_barrier()
+        tl.store(dz_ptr + r64 * stride_dz + cols[None, :], out, mask=mask)
 
 
 @triton.jit
@@ -351,6 +388,21 @@ def _launch_dz(z, dz, m, inv_s, softcap, eps, v, out_scale):
     )
 
 
+def _dz_over(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The dz view written over the fp32 logits ``z`` [c, V]: the first V 16-bit values of each row (row stride 2V),
+    or ``z`` itself in fp32."""
+    return z if dtype == torch.float32 else z.view(dtype)[:, : z.shape[1]]
+
+
+def _launch_dz_inplace(z, dz, m, inv_s, softcap, eps, v, out_scale):
+    block = min(1024, triton.next_power_of_2(z.shape[1]))
+    br = _block_r(z)
+    _dz_inplace_kernel[(triton.cdiv(z.shape[0], br),)](
+        z, z.stride(0), dz, dz.stride(0), m, inv_s, z.shape[0], z.shape[1], float(softcap or 1.0), eps / v, out_scale,
+        HAS_SOFTCAP=softcap is not None, IS_BF16=dz.dtype == torch.bfloat16, BLOCK_R=br, BLOCK=block, num_warps=8,
+    )
+
+
 def _target_coef(t, softcap, eps, out_scale):
     """d(loss_i)/d(z_i,y) without the softmax part, times out_scale: -(1 - eps) [* (1 - th_y^2)]."""
     a = torch.full_like(t, -(1.0 - eps) * out_scale)
@@ -542,22 +594,24 @@ class _FastFLCE(torch.autograd.Function):
         tgt = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         c = max(1, min(n_valid, chunk_rows))
         wt = weight.t()
+        z_buf = torch.empty(c, v, device=hidden.device, dtype=torch.float32) if n_valid else None
         for s0 in range(0, n_valid, c):
             rows = slice(s0, s0 + c)
             h_c = _gather(hidden, idx, all_valid, rows, False)
             y_c = y_valid[rows]
-            z = _mm_f32(h_c, wt)
+            z = _mm_f32(h_c, wt, out=z_buf[: h_c.shape[0]])
             m_c, s_c, t_c, zs_c = _chunk_stats(z, y_c, softcap, eps)
             lse[rows], loss_rows[rows], inv_s_c = _finish(m_c, s_c, t_c, zs_c, eps, v)
-            dz = torch.empty(z.shape, device=z.device, dtype=dtype)
             tgt[rows] = t_c
-            _launch_dz(z, dz, m_c, inv_s_c, softcap, eps, v, S)
+            dz = _dz_over(z, dtype)  # written over the logits: one [c, V] fp32 buffer in all
+            _launch_dz_inplace(z, dz, m_c, inv_s_c, softcap, eps, v, S)
             del z
             if need_h:
                 _mm_f32(dz, weight, out=dh_raw[rows])
             if need_w:
                 _addmm_f32_(dw_raw, dz.t(), h_c)
             del dz, h_c
+        del z_buf
         if n_valid and eps < 1.0 and (need_h or need_w):
             targets = _Targets(y_valid, idx, all_valid, _target_coef(tgt, softcap, eps, S))
             if need_h:
@@ -644,7 +698,7 @@ def fused_linear_cross_entropy_triton(
             loss, lse = _forward_only(hidden, weight, labels, ignore_index, reduction, softcap, eps, lean_tiles)
         elif fast and reduction != "none":
             if tiles is None:
-                cap = FAST_CHUNK_MAX_BYTES // ((4 + hidden.element_size()) * weight.shape[0])
+                cap = FAST_CHUNK_MAX_BYTES // (4 * weight.shape[0])
                 chunk_rows = max(16, min(FAST_CHUNK_ROWS, cap // 16 * 16))
             else:
                 chunk_rows = tiles[0]
