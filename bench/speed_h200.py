@@ -36,7 +36,8 @@ from reach_h200 import ZERO3  # noqa: E402
 from real_size_sft import MODELS, ROOT, _line, build, run  # noqa: E402
 
 SPEC = MODELS["llama3-8b"]
-KEYS = {"plain": "plain", "liger": "liger", "plugin": "liger_fsdp_auto", "plugin+liger": "liger+liger_fsdp"}
+KEYS = {"plain": "plain", "liger": "liger", "plugin": "liger_fsdp_auto", "plugin+liger": "liger+liger_fsdp",
+        "plugin@persist": "liger_fsdp_auto"}  # the plugin under Liger's ZeRO-3 workaround (nothing partitioned)
 ALL4 = ("plain", "liger", "plugin", "plugin+liger")
 DTYPE_ENV = {"LF_BENCH_COMPUTE_DTYPE": "1"}
 HEAD_LORA = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
@@ -49,7 +50,8 @@ SCENARIOS = {
     "fsdp2_sft": dict(assets="sft", variants=ALL4, ds=None, setup=f"FSDP2, {SFT_SETUP}"),
     "zero2_sft": dict(assets="sft", variants=ALL4, ds=2, setup=f"ZeRO-2, {SFT_SETUP}"),
     "zero3_sft": dict(assets="sft", variants=ALL4, ds=3, setup=f"ZeRO-3 as shipped, {SFT_SETUP}"),
-    "zero3_sft_bf16": dict(assets="sft", variants=("plain", "liger", "plugin"), ds=3, persistence={"liger": 1e11},
+    "zero3_sft_bf16": dict(assets="sft", variants=("plain", "liger", "plugin", "plugin@persist"), ds=3,
+                           persistence={"liger": 1e11, "plugin@persist": 1e11},
                            env={"plain": DTYPE_ENV, "liger": DTYPE_ENV},
                            setup=f"ZeRO-3, trainable params in the compute dtype, {SFT_SETUP}"),
     "zero3_lora_head": dict(assets="sft", variants=("plain", "plugin"), ds=3,
