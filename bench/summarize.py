@@ -87,8 +87,9 @@ def fsdp_table(name):
               f"{r['optimizer_peak_gib']:.2f} | {curve} |")
 
 
-VARIANT_ORDER = ("plain", "liger", "plugin", "plugin+liger")
-COLORS = {"plain": "#7f7f7f", "liger": "#1f77b4", "plugin": "#d62728", "plugin+liger": "#ff7f0e"}
+VARIANT_ORDER = ("plain", "liger", "plugin", "plugin+liger", "plugin@persist")
+COLORS = {"plain": "#7f7f7f", "liger": "#1f77b4", "plugin": "#d62728", "plugin+liger": "#ff7f0e",
+          "plugin@persist": "#9467bd"}
 
 
 def _median(xs):
