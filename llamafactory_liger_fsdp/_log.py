@@ -36,6 +36,14 @@ def rank() -> int:
     return 0
 
 
+def _bar_active() -> bool:
+    """A tqdm progress bar (the Trainer's) is on the terminal line right now: it ends without a newline."""
+    std = sys.modules.get("tqdm.std")
+    bars = getattr(getattr(std, "tqdm", None), "_instances", None) or ()
+    return any(not getattr(bar, "disable", False) for bar in list(bars))
+
+
 def info_rank0(message: str) -> None:
+    """Log ``message`` on rank 0, on a line of its own (after a newline when a progress bar holds the current line)."""
     if rank() == 0:
-        logger.info(message)
+        logger.info(("\n" if _bar_active() else "") + message)

@@ -42,6 +42,8 @@ def test_fsdp2_two_ranks(assets, tmp_path, fsdp2_plain):
     assert rc == 0, log[-6000:]
     engaged = [l for l in log.splitlines() if "[liger_fsdp] engaged" in l]
     assert len(engaged) == 1, engaged  # rank 0 only, once
+    # on a line of its own in the log file, not glued to the Trainer's progress bar (str.splitlines splits at \r)
+    assert [l for l in log.split("\n") if l.startswith("[liger_fsdp] engaged")] == engaged, repr(log[-3000:])
     # the trained copy is its own unit; accelerate >= 1.15 also groups [final norm, lm_head wrapper] into a unit
     # (its "tail"), which the loss then passes through as well
     assert re.search(
