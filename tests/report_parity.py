@@ -7,7 +7,9 @@ A report script of the test suite (not collected by pytest; the tests assert the
   gradient (the checks of tests/test_single_parity.py, as numbers);
 * 2 gloo ranks, FSDP1 (flat and use_orig_params), FSDP2 and DDP against the unsharded single-process
   unfused reference (tests/fsdp_worker.py, the worker tests/test_dist_parity.py runs): loss, gradients, and the
-  parameters after several optimizer steps, the max over both ranks.
+  parameters after several optimizer steps, the max over both ranks;
+* 2 gloo ranks, DeepSpeed ZeRO-0..3 (fp32, offload included) and bf16 under the plugin's dtype policy
+  (tests/ds_worker.py, as tests/test_ds_parity.py runs it), with the dtypes the kernel received.
 """
 
 import argparse
@@ -62,11 +64,35 @@ def sharded():
     return rows
 
 
+def deepspeed():
+    """2 gloo ranks, DeepSpeed ZeRO-0..3 in fp32 (tests/test_ds_parity.py's cases) and in bf16 under the plugin's
+    dtype policy (the kernel's input dtypes recorded), against the unsharded unfused reference."""
+    from test_ds_parity import BF16, CASES
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "ds_worker.py"), out, *CASES, *BF16],
+                              capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1",
+                                                                       CUDA_VISIBLE_DEVICES=""))
+        if proc.returncode:
+            raise SystemExit(proc.stderr[-3000:])
+        ranks = json.load(open(out))
+    for case in CASES + BF16:
+        per_rank = [{r["case"]: r for r in rank}[case] for rank in ranks]
+        rows.append({"mode": "deepspeed_bf16" if case.endswith(":bf16") else "deepspeed", "case": case,
+                     "loss_rel": max(r["loss_rel"] for r in per_rank),
+                     "grad_rel": max(max(r["grad_rels"].values()) for r in per_rank),
+                     "param_rel_after_steps": max(r["param_rels_after"] for r in per_rank),
+                     "kernel_dtypes": sorted({d for r in per_rank for d in r.get("kernel_dtypes", [])})})
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "cpu_parity.json"))
     args = ap.parse_args()
-    rows = single() + sharded()
+    rows = single() + sharded() + deepspeed()
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     print("| mode | family:head | loss rel | max grad rel | params rel after steps |")
