@@ -32,7 +32,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reach_h200 import ZERO3  # noqa: E402
+from reach_h200 import ZERO3, _ds_json  # noqa: E402
 from real_size_sft import MODELS, ROOT, _line, build, run  # noqa: E402
 
 SPEC = MODELS["llama3-8b"]
@@ -104,14 +104,13 @@ def assets(work, key, smoke):
 
 
 def ds_json(work, stage, persistence=None):
-    config = json.loads(json.dumps(ZERO3))
-    if stage == 2:
-        config["zero_optimization"] = {"stage": 2, "overlap_comm": False, "contiguous_gradients": True,
-                                       "reduce_scatter": True, "allgather_bucket_size": 500_000_000,
-                                       "reduce_bucket_size": 500_000_000}
-    elif persistence is not None:
-        config["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
-    path = os.path.join(work, f"ds_z{stage}_{persistence or 'auto'}.json")
+    """reach_h200's ZeRO-3 json (persistence threshold as given), or a ZeRO-2 one with LLaMA-Factory's ds_z2 buckets."""
+    if stage == 3:
+        return _ds_json(work, persistence)
+    config = dict(json.loads(json.dumps(ZERO3)), zero_optimization={
+        "stage": 2, "overlap_comm": False, "contiguous_gradients": True, "reduce_scatter": True,
+        "allgather_bucket_size": 500_000_000, "reduce_bucket_size": 500_000_000})
+    path = os.path.join(work, "ds_z2.json")
     with open(path, "w") as f:
         json.dump(config, f)
     return path

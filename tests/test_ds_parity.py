@@ -19,14 +19,19 @@ CASES = ["llama:mts:3", "llama:lora:3", "llama:full:3", "qwen2_tied:full:3", "qw
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ds") / "out.json"
+def _worker(tmp_path_factory, name, cases):
+    """Every rank's results of one tests/ds_worker.py job (2 gloo ranks)."""
+    out = tmp_path_factory.mktemp(name) / "out.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "ds_worker.py"), str(out), *CASES],
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "ds_worker.py"), str(out), *cases],
                           capture_output=True, text=True, timeout=1200, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return _worker(tmp_path_factory, "ds", CASES)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -57,12 +62,7 @@ BF16 = ["llama:mts:3:bf16", "llama:lora:3:bf16", "llama:full:3:bf16", "qwen2_tie
 
 @pytest.fixture(scope="module")
 def bf16_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ds_bf16") / "out.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "ds_worker.py"), str(out), *BF16],
-                          capture_output=True, text=True, timeout=1200, env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return json.loads(out.read_text())
+    return _worker(tmp_path_factory, "ds_bf16", BF16)
 
 
 @pytest.mark.parametrize("case", BF16)
@@ -85,12 +85,7 @@ LIGER = ["llama:mts:3:liger", "llama:lora:3:liger"]
 @pytest.fixture(scope="module")
 def liger_ranks(tmp_path_factory):
     pytest.importorskip("liger_kernel")
-    out = tmp_path_factory.mktemp("ds_liger") / "out.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "ds_worker.py"), str(out), *LIGER],
-                          capture_output=True, text=True, timeout=1200, env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return {r["case"]: r for r in json.loads(out.read_text())[0]}
+    return {r["case"]: r for r in _worker(tmp_path_factory, "ds_liger", LIGER)[0]}
 
 
 def test_liger_under_zero3_what_users_get_without_the_plugin(liger_ranks):

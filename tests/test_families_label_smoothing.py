@@ -38,6 +38,18 @@ def test_fused_label_smoothing_is_the_trainers():
             assert rel(q.grad, p.grad) <= 1e-5, n
 
 
+def _assert_smoothed_by_the_kernel(ref, cand, want, got, capsys):
+    """The kernel's smoothed loss and every gradient equal the Trainer's own LabelSmoother on the unfused model."""
+    assert abs(got.item() - want.item()) <= 1e-5 * want.item()
+    want.backward(), got.backward()
+    for (n, p), (_, q) in zip(ref.named_parameters(), cand.named_parameters()):
+        if p.requires_grad:
+            assert rel(q.grad, p.grad) <= 1e-5, n
+    err = capsys.readouterr().err
+    assert "[liger_fsdp] label_smoothing_factor 0.1: the fused kernel computes the smoothed loss" in err
+    return err
+
+
 def test_trainer_hands_label_smoothing_to_the_kernel(tmp_path, capsys):
     """`label_smoothing_factor` through the HF Trainer (what LLaMA-Factory's SFT trainers are): the plugin's Trainer
     patch keeps the labels with the engaged model and the kernel smooths; loss and gradients equal the Trainer's
@@ -56,14 +68,7 @@ def test_trainer_hands_label_smoothing_to_the_kernel(tmp_path, capsys):
         assert plain.label_smoother is not None and fused.label_smoother is None
         batch = make_batch(ignore_frac=0.3)
         want, got = plain.compute_loss(ref, dict(batch)), fused.compute_loss(cand, dict(batch))
-        assert abs(got.item() - want.item()) <= 1e-5 * want.item()
-        want.backward(), got.backward()
-        for (n, p), (_, q) in zip(ref.named_parameters(), cand.named_parameters()):
-            if p.requires_grad:
-                assert rel(q.grad, p.grad) <= 1e-5, n
-        err = capsys.readouterr().err
-        assert "[liger_fsdp] label_smoothing_factor 0.1: the fused kernel computes the smoothed loss" in err
-        assert NO_LABELS not in err
+        assert NO_LABELS not in _assert_smoothed_by_the_kernel(ref, cand, want, got, capsys)
     finally:
         import transformers.trainer
 
@@ -103,6 +108,13 @@ def test_wrapped_trainer_init(tmp_path, capsys, monkeypatch):
         return plain, other, plain.compute_loss(ref, dict(batch)), other.compute_loss(cand, dict(batch))
 
     models = []
+
+    def engaged_twin():
+        ref, cand = twin("llama", "mts")
+        models.append(cand)
+        engage(cand, backend="torch")
+        return ref, cand
+
     try:
         # (a) functools.wraps: seen through, the kernel smooths; loss and gradients are the Trainer's LabelSmoother's
         @functools.wraps(original)
@@ -110,20 +122,12 @@ def test_wrapped_trainer_init(tmp_path, capsys, monkeypatch):
             return original(self, *a, **kw)
 
         monkeypatch.setattr(owner, "__init__", wrapped_init)
-        ref, cand = twin("llama", "mts")
-        models.append(cand)
-        engage(cand, backend="torch")
+        ref, cand = engaged_twin()
         trainer_patch.patch_label_smoothing()
         assert getattr(owner.__init__, _patch.MARK, False) and owner.__init__.__wrapped__ is wrapped_init
         plain, fused, want, got = losses(ref, cand)
         assert plain.label_smoother is not None and fused.label_smoother is None
-        assert abs(got.item() - want.item()) <= 1e-5 * want.item()
-        want.backward(), got.backward()
-        for (n, p), (_, q) in zip(ref.named_parameters(), cand.named_parameters()):
-            if p.requires_grad:
-                assert rel(q.grad, p.grad) <= 1e-5, n
-        err = capsys.readouterr().err
-        assert "[liger_fsdp] label_smoothing_factor 0.1: the fused kernel computes the smoothed loss" in err
+        _assert_smoothed_by_the_kernel(ref, cand, want, got, capsys)
         _patch.undo(owner, "__init__")
         assert owner.__init__ is wrapped_init
 
@@ -132,9 +136,7 @@ def test_wrapped_trainer_init(tmp_path, capsys, monkeypatch):
             return original(self, *a, **kw)
 
         monkeypatch.setattr(owner, "__init__", bare_init)
-        ref, cand = twin("llama", "mts")
-        models.append(cand)
-        engage(cand, backend="torch")
+        ref, cand = engaged_twin()
         assert trainer_patch.patch_label_smoothing() == []
         assert owner.__init__ is bare_init
         err = capsys.readouterr().err

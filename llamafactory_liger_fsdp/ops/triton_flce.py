@@ -124,6 +124,25 @@ def _stats_kernel(
 
 
 @triton.jit
+def _dz_values(z, m, inv_s, softcap, off_target, out_scale, dz_ptr, HAS_SOFTCAP: tl.constexpr, IS_BF16: tl.constexpr):
+    """The dz block of :func:`_dz_kernel` from fp32 logits ``z`` and the rows' max ``m`` and ``1 / sum``, rounded once
+    to dz's dtype (bf16 to nearest even by hand: the GPU's cast gives the same bits, the interpreter's truncates)."""
+    if HAS_SOFTCAP:
+        zc, th = _softcap(z, softcap)
+    else:
+        zc = z
+    g = tl.exp(zc - m[:, None]) * inv_s[:, None] - off_target
+    if HAS_SOFTCAP:
+        g = g * (1.0 - th * th)
+    g = g * out_scale
+    if IS_BF16:
+        bits = g.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return g.to(dz_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _dz_kernel(
     z_ptr, stride_z, dz_ptr, stride_dz, m_ptr, inv_s_ptr, n_rows, n_cols, softcap, off_target, out_scale,
     HAS_SOFTCAP: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
@@ -142,20 +161,7 @@ def _dz_kernel(
     z = tl.load(z_ptr + r64 * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + rows, mask=rmask, other=0.0)
     inv_s = tl.load(inv_s_ptr + rows, mask=rmask, other=0.0)
-    if HAS_SOFTCAP:
-        zc, th = _softcap(z, softcap)
-    else:
-        zc = z
-    g = tl.exp(zc - m[:, None]) * inv_s[:, None] - off_target
-    if HAS_SOFTCAP:
-        g = g * (1.0 - th * th)
-    g = g * out_scale
-    if IS_BF16:
-        bits = g.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        out = g.to(dz_ptr.dtype.element_ty)
+    out = _dz_values(z, m, inv_s, softcap, off_target, out_scale, dz_ptr, HAS_SOFTCAP, IS_BF16)
     tl.store(dz_ptr + r64 * stride_dz + cols[None, :], out, mask=mask)
 
 
@@ -177,20 +183,7 @@ def _dz_inplace_kernel(
         cols = off + tl.arange(0, BLOCK)
         mask = rmask[:, None] & (cols < n_cols)[None, :]
         z = tl.load(z_ptr + r64 * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            zc, th = _softcap(z, softcap)
-        else:
-            zc = z
-        g = tl.exp(zc - m[:, None]) * inv_s[:, None] - off_target
-        if HAS_SOFTCAP:
-            g = g * (1.0 - th * th)
-        g = g * out_scale
-        if IS_BF16:
-            bits = g.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            out = g.to(dz_ptr.dtype.element_ty)
+        out = _dz_values(z, m, inv_s, softcap, off_target, out_scale, dz_ptr, HAS_SOFTCAP, IS_BF16)
         tl.debug_barrier()
         tl.store(dz_ptr + r64 * stride_dz + cols[None, :], out, mask=mask)
 
