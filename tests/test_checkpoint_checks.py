@@ -203,3 +203,34 @@ def test_repair_switch_off(monkeypatch, capsys):
     trainer.patch_checkpointing(LigerFsdpConfig(enabled=True, checkpoint_repair=False))
     assert not getattr(trainer_module.save_fsdp_model, _patch.MARK, False)
     assert "liger_fsdp_checkpoint_repair: false" in capsys.readouterr().err
+
+
+def test_zero3_dtype_cast_only_once_engaged_and_undone(monkeypatch, capsys):
+    """DeepSpeed ZeRO-3 + bf16: the trainable parameters take the compute dtype only when the plugin engages (a frozen
+    head leaves the model as LLaMA-Factory built it), one line says what was cast, and disengage casts them back."""
+    from types import SimpleNamespace
+
+    from llamafactory_liger_fsdp import sharding
+    from llamafactory_liger_fsdp.config import LigerFsdpConfig
+    from llamafactory_liger_fsdp.engage import disengage
+    from llamafactory_liger_fsdp.integration.llamafactory import engage_model
+    from llamafactory_liger_fsdp.testing import make_model, make_peft
+
+    cfg = LigerFsdpConfig(enabled=True, backend="torch", sharding=sharding.Sharding(sharding.DEEPSPEED, 3))
+    args = SimpleNamespace(stage="sft", finetuning_type="lora")
+    for frozen in (True, False):
+        model = make_peft(make_model("llama", dtype=torch.bfloat16), "mts")  # PEFT: LoRA fp32, copies bf16
+        if frozen:
+            model.base_model.model.lm_head.modules_to_save.default.weight.requires_grad_(False)
+        before = {n: p.dtype for n, p in model.named_parameters()}
+        assert {d for n, d in before.items() if "lora_" in n} == {torch.float32}
+        engage_model(model, cfg, args)
+        after = {n: p.dtype for n, p in model.named_parameters()}
+        err = capsys.readouterr().err
+        if frozen:
+            assert after == before and "compute dtype" not in err
+            continue
+        assert {d for n, d in after.items() if dict(model.named_parameters())[n].requires_grad} == {torch.bfloat16}
+        assert "[liger_fsdp] DeepSpeed ZeRO-3: trainable parameters in the compute dtype" in err and "-> bfloat16" in err
+        disengage(model)
+        assert {n: p.dtype for n, p in model.named_parameters()} == before

@@ -124,6 +124,28 @@ def test_kto(tmp_path, kind):
     assert metrics["count/chosen"] == 2.0 and metrics["kl"] != 0.0
 
 
+@pytest.mark.parametrize("stage,pref_loss", [("dpo", "sigmoid"), ("dpo", "hinge"), ("kto", None)])
+def test_an_answer_with_no_labelled_token(tmp_path, stage, pref_loss):
+    """Real data: a chosen answer cut to nothing (every label of that row ignored). The per-token path must give what
+    LLaMA-Factory's own code gives on the unfused model -- a sequence log-prob of 0, finite, equal gradients -- never a
+    NaN from the ignored rows' grad_output."""
+    from llamafactory.train.dpo.trainer import CustomDPOTrainer
+    from llamafactory.train.kto.trainer import CustomKTOTrainer
+
+    plain, fused = _twins("mts")
+    batch = _pairs(seed=21)
+    batch["labels"][0] = -100  # the first chosen answer: no labelled token
+    if stage == "kto":
+        trainer = _trainer(CustomKTOTrainer, tmp_path, plain, stage="kto")
+        kl = _pairs(seed=22)
+        kl["labels"][1] = -100
+        batch.update({f"kl_{k}": v for k, v in kl.items()}, kto_tags=torch.tensor([True, False, True, False]))
+    else:
+        trainer = _trainer(CustomDPOTrainer, tmp_path, plain, stage="dpo", pref_loss=pref_loss)
+    _compare(trainer, plain, fused, batch)
+    assert all(torch.isfinite(p.grad).all() for p in fused.parameters() if p.grad is not None)
+
+
 def test_no_logits_are_built():
     """After the forward (what stays alive until backward), the fused path holds the [N, V] logits less than
     LLaMA-Factory's ``model(...).logits.to(float32)`` (measured by allocation tracking; 90%: the fused path keeps a
