@@ -16,7 +16,10 @@ A case with ``:bf16`` builds the model in bf16 (PEFT's LoRA weights fp32, as LLa
 plugin's whole load-time engage (its ZeRO-3 dtype policy included) under DeepSpeed's bf16 mode, records the dtypes the
 kernel receives, and compares with the unfused reference under the same policy (every parameter bf16).
 
-Run: python tests/ds_worker.py OUT.json CASE [CASE ...]   (CASE: family:head:stage[:offload][:liger|:bf16], e.g. llama:mts:3:param)
+A case with ``:empty`` passes ``num_items_in_batch`` as the Trainer does (every rank's labels) and gives step 2 no
+labelled token on any rank: the model's loss is ``0 / 0`` there and its gradients exactly zero.
+
+Run: python tests/ds_worker.py OUT.json CASE [CASE ...]   (CASE: family:head:stage[:offload][:liger|:bf16|:empty], e.g. llama:mts:3:param)
 """
 
 from __future__ import annotations
@@ -138,8 +141,8 @@ def run_case(case: str, rank: int, world: int) -> dict:
     from llamafactory_liger_fsdp.testing import make_batch, make_model, make_peft, rel
 
     family, kind, stage, *rest = case.split(":")
-    liger, bf16 = "liger" in rest, "bf16" in rest
-    rest = [r for r in rest if r not in ("liger", "bf16")]
+    liger, bf16, empty = "liger" in rest, "bf16" in rest, "empty" in rest
+    rest = [r for r in rest if r not in ("liger", "bf16", "empty")]
     stage, offload = int(stage), (rest[0] if rest else "none")
     ref = make_peft(make_model(family, seed=0, dtype=torch.bfloat16 if bf16 else torch.float32), kind)
     cand = copy.deepcopy(ref)
@@ -165,9 +168,20 @@ def run_case(case: str, rank: int, world: int) -> dict:
     result = {"case": case, "kind": done.head.kind, "proof": _proof(causal_lm, done)}
     for step in range(STEPS):
         batches = [make_batch(batch=MICRO, seed=100 * step + r) for r in range(world)]
+        if empty:  # as the Trainer calls it: sum / the labels of every rank (step 2: none at all, 0 / 0)
+            if step == 1:
+                for batch in batches:
+                    batch["labels"][:] = -100
+            items = torch.tensor(sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches))
+            for batch in batches:
+                batch["num_items_in_batch"] = items
         ref_losses = reference_step(ref, batches)
         loss = engine(**batches[rank]).loss
         engine.backward(loss)
+        if empty and step == 1:  # what DeepSpeed would otherwise hide: its optimizer skips a step with NaN gradients
+            grads = [safe_get_full_grad(p) for _, p in trainable]
+            result["empty_step_grads"] = {"finite": all(bool(torch.isfinite(g).all()) for g in grads if g is not None),
+                                          "zero": all(not g.any() for g in grads if g is not None)}
         if step == 0:
             result["engaged"] = engaged_line(causal_lm, done)
             result["loss_rel"] = abs(float(loss) - ref_losses[rank]) / abs(ref_losses[rank])

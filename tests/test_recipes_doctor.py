@@ -115,6 +115,18 @@ def test_accelerate_configs(name):
     assert int(cfg.fsdp_config["fsdp_version"]) == int(name[4])
 
 
+def _doctor_here(monkeypatch, capsys, *args, **env):
+    """`python -m llamafactory_liger_fsdp doctor ARGS` in this process (LLaMA-Factory is imported once for all):
+    (exit status, stdout). The environment as the command line would have it."""
+    from llamafactory_liger_fsdp import doctor
+
+    for key, value in dict(LLAMAFACTORY_VERBOSITY="WARN", HF_HUB_OFFLINE="1", **env).items():
+        monkeypatch.setenv(key, value)
+    capsys.readouterr()
+    rc = doctor.main(["doctor", *args])
+    return rc, capsys.readouterr().out
+
+
 def _doctor(*args, **env):
     full_env = dict(os.environ, LLAMAFACTORY_VERBOSITY="WARN", HF_HUB_OFFLINE="1", **env)
     proc = subprocess.run([sys.executable, "-m", "llamafactory_liger_fsdp", "doctor", *args], capture_output=True,
@@ -175,9 +187,9 @@ def qwen7b_config(tmp_path_factory):
     return str(path)
 
 
-def test_doctor_gpu_recipe_on_this_cpu_machine(qwen7b_config):
+def test_doctor_gpu_recipe_on_this_cpu_machine(qwen7b_config, monkeypatch, capsys):
     recipe = os.path.join(ROOT, "recipes", "qwen2_5_7b_lora_fsdp2.yaml")
-    rc, out = _doctor(recipe, f"model_name_or_path={qwen7b_config}")
+    rc, out = _doctor_here(monkeypatch, capsys, recipe, f"model_name_or_path={qwen7b_config}")
     assert rc == 0, out
     assert "this machine: LLaMA-Factory would reject the yaml here (Your setup doesn't support bf16/gpu" in out
     assert "sharding: FSDP2 (from the yaml's `fsdp:` keys)" in out
@@ -201,23 +213,23 @@ def assets(tmp_path_factory):
     return build(tmp_path_factory.mktemp("assets"))
 
 
-def test_doctor_decides_like_training(assets, tmp_path):
-    rc, out = _doctor(_yaml(tmp_path, "frozen", assets, liger_fsdp=True, additional_target=None))
+def test_doctor_decides_like_training(assets, tmp_path, monkeypatch, capsys):
+    rc, out = _doctor_here(monkeypatch, capsys, _yaml(tmp_path, "frozen", assets, liger_fsdp=True, additional_target=None))
     assert rc == 0 and "not engaged: lm_head is frozen" in out, out  # trains: exit 0
-    rc, out = _doctor(_yaml(tmp_path, "off", assets))
+    rc, out = _doctor_here(monkeypatch, capsys, _yaml(tmp_path, "off", assets))
     assert rc == 0 and "plugin off" in out, out
-    rc, out = _doctor(_yaml(tmp_path, "dora", assets, liger_fsdp=True, additional_target=None,
+    rc, out = _doctor_here(monkeypatch, capsys, _yaml(tmp_path, "dora", assets, liger_fsdp=True, additional_target=None,
                             lora_target="q_proj,lm_head", use_dora=True))
     assert rc == 1 and "error: `liger_fsdp: true` supports plain LoRA on the head; `use_dora: true`" in out, out
-    rc, out = _doctor(_yaml(tmp_path, "triton", assets, liger_fsdp=True, liger_fsdp_backend="triton"),
+    rc, out = _doctor_here(monkeypatch, capsys, _yaml(tmp_path, "triton", assets, liger_fsdp=True, liger_fsdp_backend="triton"),
                       TRITON_INTERPRET="0")
     assert rc == 0 and "this machine: `liger_fsdp_backend: triton` needs a CUDA GPU" in out, out
-    rc, out = _doctor(_yaml(tmp_path, "rm", assets, liger_fsdp=True, stage="rm"))
+    rc, out = _doctor_here(monkeypatch, capsys, _yaml(tmp_path, "rm", assets, liger_fsdp=True, stage="rm"))
     assert rc == 1 and "error: `liger_fsdp: true` does not work with `stage: rm`" in out, out
 
 
-def test_doctor_says_when_the_hook_is_inactive(assets, tmp_path):
-    rc, out = _doctor(_yaml(tmp_path, "on", assets, liger_fsdp=True), LLAMAFACTORY_LIGER_FSDP_PTH="0")
+def test_doctor_says_when_the_hook_is_inactive(assets, tmp_path, monkeypatch, capsys):
+    rc, out = _doctor_here(monkeypatch, capsys, _yaml(tmp_path, "on", assets, liger_fsdp=True), LLAMAFACTORY_LIGER_FSDP_PTH="0")
     assert rc == 1, out
     assert "import hook: NOT active" in out and "python -m llamafactory_liger_fsdp train" in out
     assert "will engage: head=modules_to_save (lm_head)" in out  # still evaluated

@@ -96,6 +96,7 @@ def run_cli(cfg: dict, nproc: int | None = None, fsdp1: bool = False, timeout: i
     bindir = str(Path(sys.executable).parent)
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=bindir + os.pathsep + os.environ.get("PATH", ""))
     env.pop("ALLOW_EXTRA_ARGS", None)
+    env.pop("LLAMAFACTORY_LIGER_FSDP_SAID_DISABLED", None)  # a launcher's note to its ranks, never inherited here
     if nproc:
         env.update(FORCE_TORCHRUN="1", NPROC_PER_NODE=str(nproc), FSDP_STATE_DICT_TYPE="FULL_STATE_DICT")
         if cfg.get("deepspeed"):
