@@ -7,7 +7,7 @@ every rank computes on a slice of its real micro-batch, under ``torch.no_grad`` 
 * the model's ORIGINAL loss: its own ``forward`` (normal module calls, so FSDP/DeepSpeed gather as in any
   forward; Liger's class forward with ``skip_logits=False``), with a pre-hook on the output embedding that keeps
   only the slice's positions, and every linear layer of the head computed in fp32 from the operands it would
-  have had (:class:`_Fp32Head`: the same 16-bit hidden states and weights, autocast's cast included; nothing
+  have had (:class:`.fp32_head.Fp32Head`: the same 16-bit hidden states and weights, autocast's cast included; nothing
   inside the head rounded back to 16 bits, FSDP2's output cast and PEFT's result cast included);
 * the fused loss of :mod:`.forward` on the same inputs and positions (its kernel also forms fp32 logits from
   those 16-bit operands).
@@ -36,11 +36,10 @@ there would pair with their all-gather); the launcher (torchrun, accelerate) sto
 from __future__ import annotations
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from ._log import info_rank0, rank
 from .config import LigerFsdpConfigError, LigerFsdpDataError
+from .fp32_head import Fp32Head
 
 BUDGET = 256
 BOUNDS = {torch.float32: (1e-4, 1e-6), torch.float64: (1e-4, 1e-6)}
@@ -51,68 +50,6 @@ OK, MISMATCH, DATA, FAILED = 0, 1, 2, 3
 
 def bounds(dtype: torch.dtype) -> tuple[float, float]:
     return BOUNDS.get(dtype, LOW_PRECISION)
-
-
-TAINT = "_liger_fsdp_guard_fp32"
-
-
-def _tainted(values) -> bool:
-    return any(getattr(v, TAINT, False) for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor))
-
-
-class _Fp32Head(TorchFunctionMode):
-    """Inside the output embedding's call: ``F.linear`` in fp32 from its (autocast-cast) operands, and what is computed
-    from those fp32 results is never rounded to 16 bits (PEFT's ``result.to(dtype)``, FSDP2's ``output_dtype`` cast).
-    Those results are tracked (an attribute on every tensor computed from them), so the sharding library's own casts
-    of parameters (FSDP2 casting a shard to ``param_dtype`` for its all-gather) are left alone."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.linear:
-            out = _linear_fp32(*args, **kwargs)
-            setattr(out, TAINT, True)
-            return out
-        tainted = _tainted((args, kwargs))
-        if tainted and func in _CASTS and args[0].dtype == torch.float32 and \
-                _target_dtype(func, args[1:], kwargs) in (torch.bfloat16, torch.float16):
-            return args[0]
-        out = func(*args, **kwargs)
-        if tainted:
-            for value in tree_flatten(out)[0]:
-                if isinstance(value, torch.Tensor):
-                    setattr(value, TAINT, True)
-        return out
-
-
-_CASTS = (torch.Tensor.to, torch.Tensor.type, torch.Tensor.bfloat16, torch.Tensor.half)
-
-
-def _target_dtype(func, args, kwargs):
-    if func is torch.Tensor.bfloat16:
-        return torch.bfloat16
-    if func is torch.Tensor.half:
-        return torch.float16
-    for value in (*args, kwargs.get("dtype")):
-        if isinstance(value, torch.dtype):
-            return value
-        if isinstance(value, torch.Tensor):
-            return value.dtype
-    return None
-
-
-def _linear_fp32(x, weight, bias=None):
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):  # the operands the layer would have had
-        dtype = torch.get_autocast_dtype(dev)
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-    with torch.autocast(dev, enabled=False):
-        if x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
-            out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
-            out = out.reshape(*x.shape[:-1], weight.shape[0])
-        else:
-            out = torch.nn.functional.linear(x.float(), weight.float())
-        return out if bias is None else out + bias.float()
 
 
 def _window(family, labels: torch.Tensor, shift_labels, ignore_index: int):
@@ -167,7 +104,7 @@ def _original_loss(causal_lm, original, signature, params, extra, labels, rows, 
         kwargs["shift_labels"] = kwargs["shift_labels"][rows, start:end]
     if "skip_logits" in signature.parameters:  # Liger's lce_forward: its plain (logits) path
         kwargs["skip_logits"] = False
-    seen, mode, inside = [], _Fp32Head(), [False]
+    seen, mode, inside = [], Fp32Head(), [False]
 
     def enter(module, args):
         seen.append(args[0].dtype)
