@@ -169,6 +169,39 @@ def test_fast_memory_model(monkeypatch):
     loss.backward()
 
 
+def test_fast_per_row_keeps_dz(monkeypatch):
+    """triton_fast with reduction="none" (per-token log-probs): forward keeps the 16-bit dz [N_v, V] and fp32 dh
+    [N_v, H] plus one chunk of fp32 logits, 6 N_v H V flops in all (the lean path: 8); above FAST_STORE_MAX_BYTES
+    the lean path runs, with the same gradients."""
+    from llamafactory_liger_fsdp.ops import triton_rows
+
+    n, h_dim, v, c = 200, 32, 500, 32
+    h, w, y = inputs(n, h_dim, v, torch.bfloat16, seed=8)
+    n_valid = int((y != -100).sum())
+    g = torch.rand(n, generator=torch.Generator().manual_seed(2)) * 3 + 0.1
+    grads = {}
+    for store in (True, False):
+        monkeypatch.setattr(triton_rows, "FAST_STORE_MAX_BYTES", 2 * n_valid * v if store else 2 * n_valid * v - 1)
+        monkeypatch.setattr(triton_rows, "default_chunk", lambda _v: c)
+        track = LiveBytes()
+        track.emulate_gpu(monkeypatch, triton_flce)
+        hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        with track:
+            loss = fused_linear_cross_entropy(hh, ww, y, backend="triton_fast", reduction="none")
+        assert (loss.grad_fn._forward_cls is triton_rows._StoredDzFLCE) == store
+        if store:
+            model = 2 * n_valid * v + 4 * n_valid * h_dim + 4 * c * v + 2 * c * h_dim + 64 * n_valid
+            assert 2 * n_valid * v < track.peak() <= model, (track.peak(), model)
+        with track:
+            loss.backward(g)
+        assert track.mm_flops == (6 if store else 8) * n_valid * h_dim * v
+        grads[store] = (hh.grad, ww.grad)
+    ref = reference(h, w, y, reduction="none", grad_rows=g)
+    for store in (True, False):
+        assert rel(grads[store][0], ref[1]) <= 1.05 * rel(ref[1].bfloat16(), ref[1])
+        assert rel(grads[store][1], ref[2]) <= 1.05 * rel(ref[2].bfloat16(), ref[2])
+
+
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("mode", ["no_grad", "inputs_without_grad"])
 def test_forward_only_when_no_gradient_is_needed(monkeypatch, fast, mode):

@@ -16,8 +16,8 @@ ever multiplied: at 25% ignored labels the ``8 N_v H V`` flops of the lean path 
 * **Fast** (``triton_fast``): gradients computed in forward for chunks of ``c`` rows x all of
   V (``6 N_v H V``); ``dh`` [N_v, H] and ``dW`` [V, H] kept in fp32 until backward multiplies
   them by ``grad_output`` and rounds once. One ``[c, V]`` fp32 buffer per call: the chunk's logits,
-  then its 16-bit dz written over them (:func:`_dz_inplace_kernel`). ``reduction="none"`` with gradients uses the lean path
-  (per-row ``grad_output`` is not known in forward).
+  then its 16-bit dz written over them (:func:`_dz_inplace_kernel`). ``reduction="none"`` with gradients (per-row
+  ``grad_output``, unknown in forward) keeps dz itself where it fits (:mod:`.triton_rows`), else uses the lean path.
 
 Exactness: ``dz`` is rounded to the input dtype *unscaled* and without the target's
 ``-(1 - eps)`` (``p_y - 1`` would lose ``p_y`` to the rounding; that term is added in fp32 after
@@ -663,6 +663,12 @@ def _forward_only(hidden, weight, labels, ignore_index, reduction, softcap, eps,
     return _outputs(loss_rows, lse, idx, n, all_valid, reduction)
 
 
+def _stored_fits(labels, ignore_index, weight, elt, tiles) -> bool:
+    from .triton_rows import stored_fits
+
+    return tiles is not None or stored_fits(int((labels != ignore_index).sum()), weight.shape[0], elt)
+
+
 def fused_linear_cross_entropy_triton(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -689,6 +695,10 @@ def fused_linear_cross_entropy_triton(
         lean_tiles = mem_budget if tiles is None else (tiles[1], tiles[2])
         if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
             loss, lse = _forward_only(hidden, weight, labels, ignore_index, reduction, softcap, eps, lean_tiles)
+        elif fast and reduction == "none" and _stored_fits(labels, ignore_index, weight, hidden.element_size(), tiles):
+            from .triton_rows import stored_dz_flce
+
+            loss, lse = stored_dz_flce(hidden, weight, labels, ignore_index, softcap, eps, tiles)
         elif fast and reduction != "none":
             if tiles is None:
                 cap = FAST_CHUNK_MAX_BYTES // (4 * weight.shape[0])

@@ -1,0 +1,125 @@
+"""``triton_fast`` for ``reduction="none"`` with gradients (per-token log-probs: DPO, ORPO, SimPO, KTO).
+
+Per-row ``grad_output`` is unknown in forward, so the fast path's ``dW = sum_i dz_i^T h_i`` cannot be formed there,
+and the lean path pays for it by recomputing the logits in backward (``8 N_v H V``). Here forward keeps ``dz``
+itself: per chunk of ``c`` valid rows, fp32 logits ``[c, V]`` -> statistics -> ``dz`` rounded once into a
+``[N_v, V]`` buffer of the inputs' dtype, and ``dh_raw = dz @ W`` in fp32 (plus the target term). Backward scales
+``dh_raw``'s rows by ``grad_output`` and forms ``dW`` per vocabulary slab from the kept ``dz`` and ``h`` rows scaled by
+``grad_output / 2^k`` before their one rounding -- the lean path's exactness, in ``6 N_v H V``. It costs
+``N_v V`` 16-bit values (1 GiB at 4096 rows of a 128k vocabulary), so :func:`stored_fits` admits it only within
+``FAST_STORE_MAX_BYTES``; beyond that the lean path runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import triton_flce as tf
+
+FAST_STORE_MAX_BYTES = 1024 * 1024 * 1024  # the kept dz [N_v, V]; above it, the lean path (bench/RESULTS.md section 9)
+
+
+def stored_fits(n_valid: int, v: int, elt: int) -> bool:
+    return n_valid * v * elt <= FAST_STORE_MAX_BYTES
+
+
+def default_chunk(v: int) -> int:
+    return max(16, min(tf.FAST_CHUNK_ROWS, tf.FAST_CHUNK_MAX_BYTES // (4 * v) // 16 * 16))
+
+
+class _StoredDzFLCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, cfg):
+        ignore_index, softcap, eps, chunk_rows, v_s = cfg
+        n, h = hidden.shape
+        v = weight.shape[0]
+        dev = hidden.device
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        idx, n_valid, all_valid, y_valid = tf._valid_rows(labels, ignore_index)
+        dtype = hidden.dtype
+        S = tf._dz_scale(dtype)
+        dz_all = torch.empty(n_valid, v, device=dev, dtype=dtype)
+        dh_raw = torch.empty(n_valid, h, device=dev, dtype=torch.float32) if need_h else None
+        lse, loss_rows, tgt = (torch.empty(n_valid, device=dev, dtype=torch.float32) for _ in range(3))
+        c = max(1, min(n_valid, chunk_rows))
+        z_buf = torch.empty(c, v, device=dev, dtype=torch.float32) if n_valid else None
+        for s0 in range(0, n_valid, c):
+            rows = slice(s0, s0 + c)
+            h_c = tf._gather(hidden, idx, all_valid, rows, False)
+            z = tf._mm_f32(h_c, weight.t(), out=z_buf[: h_c.shape[0]])
+            m_c, s_c, t_c, zs_c = tf._chunk_stats(z, y_valid[rows], softcap, eps)
+            lse[rows], loss_rows[rows], inv_s_c = tf._finish(m_c, s_c, t_c, zs_c, eps, v)
+            tgt[rows] = t_c
+            tf._launch_dz(z, dz_all[rows], m_c, inv_s_c, softcap, eps, v, S)
+            if need_h:
+                tf._mm_f32(dz_all[rows], weight, out=dh_raw[rows])
+            del z, h_c
+        del z_buf
+        if need_h and n_valid and eps < 1.0:
+            tf._Targets(y_valid, idx, all_valid, tf._target_coef(tgt, softcap, eps, S)).add_dh(dh_raw, weight)
+        ctx.save_for_backward(hidden, dz_all, tgt, idx, y_valid, *([dh_raw] if need_h else []))
+        ctx.cfg = (need_h, need_w, all_valid, n, S, softcap, eps, v_s)
+        ctx.w_shape = weight.shape
+        ctx.set_materialize_grads(False)
+        loss, lse_full = tf._outputs(loss_rows, lse, idx, n, all_valid, "none")
+        ctx.mark_non_differentiable(lse_full)
+        return loss, lse_full
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse):
+        hidden, dz_all, tgt, idx, y_valid, *rest = ctx.saved_tensors
+        need_h, need_w, all_valid, n, S, softcap, eps, v_s = ctx.cfg
+        if grad_loss is None:
+            return None, None, None, None
+        n_valid = int(idx.numel())
+        dtype = hidden.dtype
+        if n_valid == 0:
+            return (torch.zeros_like(hidden) if need_h else None), (
+                torch.zeros(ctx.w_shape, device=hidden.device, dtype=dtype) if need_w else None), None, None
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            c = tf._row_coefficients(grad_loss, idx, all_valid, "none", n_valid)
+            dh = _dh(rest[0], c / S, idx, all_valid, n, dtype) if need_h else None
+            dw = _dw(hidden, dz_all, tgt, idx, y_valid, c, all_valid, S, softcap, eps, v_s, ctx.w_shape) if need_w else None
+        return dh, dw, None, None
+
+
+def _dh(dh_raw, scale, idx, all_valid, n, dtype):
+    """dh rows times ``grad_output / S`` (fp32), rounded once; 0 on ignored rows."""
+    scale = scale if scale.dim() == 0 else scale.unsqueeze(1)
+    if all_valid:
+        dh = torch.empty(dh_raw.shape, device=dh_raw.device, dtype=dtype)
+        return torch.mul(dh_raw, scale, out=dh)
+    dh = torch.zeros(n, dh_raw.shape[1], device=dh_raw.device, dtype=dtype)
+    tmp = torch.empty(dh_raw.shape, device=dh_raw.device, dtype=dtype)
+    return dh.index_copy_(0, idx, torch.mul(dh_raw, scale, out=tmp))
+
+
+def _dw(hidden, dz_all, tgt, idx, y_valid, c, all_valid, S, softcap, eps, v_s, w_shape):
+    """dW = dz^T (c h) per vocabulary slab, fp32, rounded once; for a per-row ``c`` the rows of ``h`` carry
+    ``c / 2^k`` (|.| <= 1) into their one rounding and ``2^k / S`` is applied after the GEMM."""
+    v = w_shape[0]
+    h_rows = tf._gather(hidden, idx, all_valid, slice(0, idx.numel()), True)
+    c_w = None
+    if c.dim() == 0:
+        h_w, post = h_rows, c / S
+    else:
+        pow2 = torch.ldexp(torch.ones((), device=c.device), torch.frexp(c.abs().max())[1])
+        c_w = c / pow2
+        h_w, post = (h_rows * c_w.unsqueeze(1)).to(hidden.dtype), pow2 / S
+    targets = tf._Targets(y_valid, idx, all_valid, tf._target_coef(tgt, softcap, eps, S), c_w) if eps < 1.0 else None
+    bounds = targets.slab_bounds(v, v_s) if targets is not None else None
+    dw = torch.empty(w_shape, device=hidden.device, dtype=hidden.dtype)
+    for k, s0 in enumerate(range(0, v, v_s)):
+        slab = tf._mm_f32(dz_all[:, s0 : s0 + v_s].t(), h_w)
+        if targets is not None:
+            targets.add_dw(slab, hidden, bounds[k], bounds[k + 1], s0)
+        torch.mul(slab, post, out=dw[s0 : s0 + v_s])
+        del slab
+    return dw
+
+
+def stored_dz_flce(hidden, weight, labels, ignore_index, softcap, eps, tiles):
+    """(per-row loss [N], lse [N]); ``tiles=(c, v_s, _)`` overrides the row chunk and the dW slab (tests)."""
+    v = weight.shape[0]
+    c, v_s = (default_chunk(v), tf.MAX_SLAB * 2) if tiles is None else (tiles[0], tiles[1])
+    return _StoredDzFLCE.apply(hidden, weight, labels, (ignore_index, softcap, eps, c, max(1, v_s)))
