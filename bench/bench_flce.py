@@ -9,6 +9,10 @@ fp16, large logits, determinism, bad labels, the forward-only path. Both write J
 
     python bench/bench_flce.py --out bench/results/h200_kernel2.json
     python bench/bench_flce.py --check --out bench/results/h200_kernel2_check.json
+    python bench/bench_flce.py --ignored 0,0.25,0.5 --impls project_fast,project,liger --out bench/results/h200_kernel3.json
+
+Rows carry ``floor_valid_ms = 6 N_valid H V / rate`` (the rows a kernel that skips ignored labels must multiply) and
+``x_valid_floor`` beside the all-rows ``floor_ms`` / ``x_floor``.
 
 Memory: ``peak_extra_mib`` is the peak allocated during forward+backward above what was allocated
 before (inputs), *minus the two gradients every implementation must return* (dX and dW in the
@@ -171,13 +175,16 @@ def run_once(fn, h, w, y):
     return loss
 
 
-def bench_impl(name, shape, rate, reps, warmup, ref):
+def bench_impl(name, shape, rate, reps, warmup, ref, ignore=0.25):
     n, hd, v = shape
-    hidden, weight, y = make_inputs(n, hd, v)
+    hidden, weight, y = make_inputs(n, hd, v, ignore=ignore)
     ref_loss, ref_dh, ref_dw = ref
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
-    row = {"impl": name, "N": n, "H": hd, "V": v, "floor_ms": 6 * n * hd * v / (rate * 1e12) * 1e3}
+    n_valid = int((y != -100).sum())
+    row = {"impl": name, "N": n, "H": hd, "V": v, "shape": [n, hd, v], "ignored_frac": ignore, "n_valid": n_valid,
+           "matmul_tflops": rate, "floor_ms": 6 * n * hd * v / (rate * 1e12) * 1e3,
+           "floor_valid_ms": 6 * n_valid * hd * v / (rate * 1e12) * 1e3}
     try:
         fn = make_impl(name)
         loss = run_once(fn, h, w, y)  # compile / autotune
@@ -213,6 +220,7 @@ def bench_impl(name, shape, rate, reps, warmup, ref):
         row["peak_total_extra_mib"] = peak / MIB
         row["peak_extra_mib"] = (peak - grads) / MIB
         row["x_floor"] = row["ms"] / row["floor_ms"]
+        row["x_valid_floor"] = row["ms"] / row["floor_valid_ms"]
     except Exception as exc:  # an implementation that fails is reported, not hidden
         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     del h, w, hidden, weight
@@ -361,6 +369,7 @@ def main():
     ap.add_argument("--out", default="bench/results/h200_kernel2.json")
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES))
+    ap.add_argument("--ignored", default="0.25", help="comma list of ignored-label fractions (issue 20: 0,0.25,0.5)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip what is left after this many seconds")
@@ -380,27 +389,29 @@ def main():
     rows = []
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
     for shape in shapes:
-        ref = None
-        for name in args.impls.split(","):
-            if time.time() - T0 > args.deadline_s:
-                row = {"impl": name, "N": shape[0], "H": shape[1], "V": shape[2], "skipped": "deadline"}
-            else:
-                if ref is None:
-                    ref = reference(*make_inputs(*shape))
-                row = bench_impl(name, shape, rate, args.reps, args.warmup, ref)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            _dump(args.out, rows)
-        del ref
-        torch.cuda.empty_cache()
-    print(f"\n{'impl':14s} {'N x H x V':22s} {'ms':>8s} {'floor':>7s} {'x':>5s} {'MiB':>8s} {'MiB+g':>8s} {'err_dx':>8s} {'err_dw':>8s}")
+        for ignore in (float(x) for x in args.ignored.split(",")):
+            ref = None
+            for name in args.impls.split(","):
+                if time.time() - T0 > args.deadline_s:
+                    row = {"impl": name, "N": shape[0], "H": shape[1], "V": shape[2], "shape": list(shape),
+                           "ignored_frac": ignore, "skipped": "deadline"}
+                else:
+                    if ref is None:
+                        ref = reference(*make_inputs(*shape, ignore=ignore))
+                    row = bench_impl(name, shape, rate, args.reps, args.warmup, ref, ignore)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                _dump(args.out, rows)
+            del ref
+            torch.cuda.empty_cache()
+    print(f"\n{'impl':14s} {'N x H x V':22s} {'ign':>4s} {'ms':>8s} {'floor_v':>7s} {'x_v':>5s} {'MiB':>8s} {'MiB+g':>8s} {'err_dx':>8s} {'err_dw':>8s}")
     for r in rows:
         if "error" in r or "skipped" in r:
             print(f"{r['impl']:14s} {r['N']}x{r['H']}x{r['V']}  {r.get('error', 'skipped')[:80]}")
             continue
         print(
-            f"{r['impl']:14s} {str(r['N']) + 'x' + str(r['H']) + 'x' + str(r['V']):22s} {r['ms']:8.2f} {r['floor_ms']:7.2f} "
-            f"{r['x_floor']:5.2f} {r['peak_extra_mib']:8.0f} {r['peak_total_extra_mib']:8.0f} {r['err_dx']:8.1e} {r['err_dw']:8.1e}"
+            f"{r['impl']:14s} {str(r['N']) + 'x' + str(r['H']) + 'x' + str(r['V']):22s} {r['ignored_frac']:4.2f} {r['ms']:8.2f} "
+            f"{r['floor_valid_ms']:7.2f} {r['x_valid_floor']:5.2f} {r['peak_extra_mib']:8.0f} {r['peak_total_extra_mib']:8.0f} {r['err_dx']:8.1e} {r['err_dw']:8.1e}"
         )
 
 

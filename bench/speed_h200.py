@@ -11,10 +11,10 @@ applies that policy itself), liger also with stage3_param_persistence_threshold 
 reference, one pair (KTO: one example + its KL completion) a step whose answers fill cutoff_len 2048 / 8192.
 Variants: plain, liger (enable_liger_kernel), plugin (liger_fsdp: true), plugin+liger (both).
 
-    python bench/speed_h200.py [--scenarios fsdp2_sft,dpo_8k] [--variants plain,plugin] [--runs 2] [--steps 5]
+    python bench/speed_h200.py [--scenarios fsdp2_sft,dpo_8k:1] [--variants plain,plugin] [--runs 2] [--steps 5]
                                [--out bench/results/h200_speed.json] [--deadline 540] [--dry-run | --smoke]
 
-Run r plays the variants in order on even r and reversed on odd r; run numbers continue those already in --out for
+``name:k`` gives one scenario k runs instead of --runs. Run r plays the variants in order on even r and reversed on odd r; run numbers continue those already in --out for
 the scenario. --deadline S: no run starts that would end (by the longest run so far) more than S s after the start.
 --smoke: CPU plumbing check (tiny local model, fp32, no FSDP/DeepSpeed, 3 steps, a temp JSON).
 """
@@ -178,6 +178,8 @@ def main():
     args = ap.parse_args()
     t0, smoke = time.monotonic(), args.smoke
     names = (args.scenarios or ("fsdp2_sft,dpo_2k" if smoke else ",".join(SCENARIOS))).split(",")
+    runs = {n.partition(":")[0]: int(n.partition(":")[2] or args.runs) for n in names}  # "dpo_2k:1": runs of one
+    names = list(runs)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
@@ -195,7 +197,7 @@ def main():
     for name in names:
         variants = [v for v in SCENARIOS[name]["variants"] if v in wanted]
         r0 = 1 + max((r["run"] for r in existing if r["scenario"] == name and bool(r.get("smoke")) == smoke), default=-1)
-        for r in range(r0, r0 + args.runs):
+        for r in range(r0, r0 + runs[name]):
             for variant in variants if r % 2 == 0 else variants[::-1]:
                 if args.dry_run:
                     mdir = asset_dir(work, SCENARIOS[name]["assets"], smoke)
