@@ -3,6 +3,7 @@
 #   bash bench/run_h200.sh kernel   # real-size kernel checks + the FLCE benchmark + CPU parity tests on the image's newer stack
 #   bash bench/run_h200.sh sft      # real-size LLaMA-Factory SFT runs (bench/real_size_sft.py)
 #   bash bench/run_h200.sh all      # kernel benchmark + checks, then the SFT runs
+#   KERNEL3_LIMIT=320 bash bench/run_h200.sh kernel3   # real-size checks, then the kernel at 0/25/50% ignored labels
 #   bash bench/run_h200.sh reach zero3|dpo   # bench/reach_h200.py: ZeRO-3 SFT, DPO, the guard's cost
 #   bash bench/run_h200.sh multi    # bench/multi_gpu_fsdp.py on every GPU of the machine (on one GPU:
 #                                   # FSDP2 at world size 1, 20-step curves, as far as one GPU goes)
@@ -27,6 +28,16 @@ case "${1:-kernel}" in
     timeout 90 python3 bench/bench_flce.py --check --out "$OUT/h200_check.json" 2>&1 | tee "$OUT/check.log"
     [ "$1" = kernel-only ] && exit 0
     OMP_NUM_THREADS=1 timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_single_parity.py tests/test_dist_parity.py 2>&1 | tail -5 | tee "$OUT/compat_tests.log"
+    ;;
+  kernel3)
+    # issue 20's table (0 / 25 / 50% ignored labels, floor_valid_ms per row) after the real-size checks, within
+    # KERNEL3_LIMIT s (default 320) for both
+    install .whl/liger_kernel-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    limit=${KERNEL3_LIMIT:-320}
+    timeout $((limit * 3 / 10)) python3 bench/bench_flce.py --check --out "$OUT/h200_kernel3_check.json" > "$OUT/check3.log" 2>&1
+    timeout $((limit - SECONDS)) python3 bench/bench_flce.py --ignored 0,0.25,0.5 --impls project_fast,project,liger \
+      --deadline-s $((limit - 30 - SECONDS)) --out "$OUT/h200_kernel3.json" 2>&1 | tail -60 | tee "$OUT/kernel3.log"
     ;;
   all)
     OUT=$OUT bash "$0" kernel-only

@@ -14,7 +14,7 @@ Variants: plain, liger (enable_liger_kernel), plugin (liger_fsdp: true), plugin+
     python bench/speed_h200.py [--scenarios fsdp2_sft,dpo_8k:1] [--variants plain,plugin] [--runs 2] [--steps 5]
                                [--out bench/results/h200_speed.json] [--deadline 540] [--dry-run | --smoke]
 
-``name:k`` gives one scenario k runs instead of --runs. Run r plays the variants in order on even r and reversed on odd r; run numbers continue those already in --out for
+``name:k`` gives one scenario k runs instead of --runs, ``name:k:a+b`` also its variants. Run r plays the variants in order on even r and reversed on odd r; run numbers continue those already in --out for
 the scenario. --deadline S: no run starts that would end (by the longest run so far) more than S s after the start.
 --smoke: CPU plumbing check (tiny local model, fp32, no FSDP/DeepSpeed, 3 steps, a temp JSON).
 """
@@ -178,7 +178,10 @@ def main():
     args = ap.parse_args()
     t0, smoke = time.monotonic(), args.smoke
     names = (args.scenarios or ("fsdp2_sft,dpo_2k" if smoke else ",".join(SCENARIOS))).split(",")
-    runs = {n.partition(":")[0]: int(n.partition(":")[2] or args.runs) for n in names}  # "dpo_2k:1": runs of one
+    # "dpo_2k:1": that scenario's number of runs; "zero3_sft_bf16:1:plugin@persist+plain": and its variants
+    parts = {n.split(":")[0]: n.split(":")[1:] for n in names}
+    runs = {n: int(p[0]) if p and p[0] else args.runs for n, p in parts.items()}
+    only = {n: set(p[1].split("+")) for n, p in parts.items() if len(p) > 1}
     names = list(runs)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
@@ -195,7 +198,7 @@ def main():
     device = "cpu (smoke)" if smoke else None
     done, skipped, walls = [], [], []
     for name in names:
-        variants = [v for v in SCENARIOS[name]["variants"] if v in wanted]
+        variants = [v for v in SCENARIOS[name]["variants"] if v in only.get(name, wanted)]
         r0 = 1 + max((r["run"] for r in existing if r["scenario"] == name and bool(r.get("smoke")) == smoke), default=-1)
         for r in range(r0, r0 + runs[name]):
             for variant in variants if r % 2 == 0 else variants[::-1]:
