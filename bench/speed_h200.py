@@ -14,7 +14,7 @@ Variants: plain, liger (enable_liger_kernel), plugin (liger_fsdp: true), plugin+
     python bench/speed_h200.py [--scenarios fsdp2_sft,dpo_8k:1] [--variants plain,plugin] [--runs 2] [--steps 5]
                                [--out bench/results/h200_speed.json] [--deadline 540] [--dry-run | --smoke]
 
-``name:k`` gives one scenario k runs instead of --runs, ``name:k:a+b`` also its variants. Run r plays the variants in order on even r and reversed on odd r; run numbers continue those already in --out for
+``name:k`` gives one scenario k runs instead of --runs, ``name:k:a/b`` also its variants. Run r plays the variants in order on even r and reversed on odd r; run numbers continue those already in --out for
 the scenario. --deadline S: no run starts that would end (by the longest run so far) more than S s after the start.
 --smoke: CPU plumbing check (tiny local model, fp32, no FSDP/DeepSpeed, 3 steps, a temp JSON).
 """
@@ -178,10 +178,10 @@ def main():
     args = ap.parse_args()
     t0, smoke = time.monotonic(), args.smoke
     names = (args.scenarios or ("fsdp2_sft,dpo_2k" if smoke else ",".join(SCENARIOS))).split(",")
-    # "dpo_2k:1": that scenario's number of runs; "zero3_sft_bf16:1:plugin@persist+plain": and its variants
+    # "dpo_2k:1": that scenario's number of runs; "zero3_sft_bf16:1:plugin@persist/plain": and its variants
     parts = {n.split(":")[0]: n.split(":")[1:] for n in names}
     runs = {n: int(p[0]) if p and p[0] else args.runs for n, p in parts.items()}
-    only = {n: set(p[1].split("+")) for n, p in parts.items() if len(p) > 1}
+    only = {n: set(p[1].split("/")) for n, p in parts.items() if len(p) > 1}
     names = list(runs)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:

@@ -174,7 +174,9 @@ def speed_charts(rows, png_dir):
 
 
 def speed(path, png_dir=None):
-    rows = json.load(open(path))
+    """Rows marked ``superseded`` (a code path since replaced; the reason is in the row) stay in the file, out of
+    the tables and charts."""
+    rows = [r for r in json.load(open(path)) if not r.get("superseded")]
     speed_tables(rows)
     if rows:
         speed_charts(rows, png_dir or os.path.dirname(os.path.abspath(path)))
