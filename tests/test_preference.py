@@ -48,11 +48,11 @@ def _trainer(cls, tmp_path, model, ref_model=None, **finetuning):
     return cls(model=model, ref_model=ref_model, finetuning_args=ft, processor=None, args=args, tokenizer=None)
 
 
-def _compare(trainer, plain, fused, batch, train_eval=None):
+def _compare(trainer, plain, fused, batch, train_eval=None, on=ON):
     kw = {} if train_eval is None else {"train_eval": train_eval}
     setattr(trainer.finetuning_args, config.ATTR, config.LigerFsdpConfig())
     loss_p, metrics_p = trainer.get_batch_loss_metrics(plain, dict(batch), **kw)
-    setattr(trainer.finetuning_args, config.ATTR, ON)
+    setattr(trainer.finetuning_args, config.ATTR, on)
     loss_f, metrics_f = trainer.get_batch_loss_metrics(fused, dict(batch), **kw)
     assert abs(loss_f.item() - loss_p.item()) <= TOL * abs(loss_p.item()), (loss_f, loss_p)
     assert metrics_f.keys() == metrics_p.keys()
@@ -85,6 +85,34 @@ def test_dpo_losses_lora_as_reference(tmp_path, pref_loss, kind):
     trainer = _trainer(CustomDPOTrainer, tmp_path, plain, stage="dpo", pref_loss=pref_loss)
     metrics = _compare(trainer, plain, fused, _pairs())
     assert metrics["rewards/margins"] != 0.0  # the reference pass (adapters off) really differs from the policy
+
+
+@pytest.mark.parametrize("kind", ["mts", "lora", "frozen"])
+def test_dpo_through_triton_fast(tmp_path, kind, monkeypatch):
+    """The per-token path of the real Triton kernel (interpreter; ops/triton_rows.py: the kept dz, or none for a
+    frozen head) through the trainer: loss, metrics and gradients equal LLaMA-Factory's own code."""
+    from llamafactory.train.dpo.trainer import CustomDPOTrainer
+
+    from llamafactory_liger_fsdp.ops import triton_rows
+
+    monkeypatch.setattr(triton_rows, "FAST_STORE_MAX_BYTES", 0 if kind == "frozen" else 1 << 30)
+    calls = []
+    real = triton_rows._StoredDzFLCE.apply
+    monkeypatch.setattr(triton_rows._StoredDzFLCE, "apply", lambda *a: calls.append(a[1].requires_grad) or real(*a))
+    if kind == "frozen":  # LoRA on the body only (PEFT re-enables the grads of an adapter frozen by hand)
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)
+        plain = get_peft_model(make_model("llama"), LoraConfig(target_modules=["q_proj", "v_proj"], r=4, lora_alpha=8,
+                                                               init_lora_weights=False))
+    else:
+        plain = make_peft(make_model("llama"), kind)
+    fused = copy.deepcopy(plain)
+    on = config.LigerFsdpConfig(enabled=True, backend="triton_fast")
+    assert engage(fused, on, preference=True) is not None
+    trainer = _trainer(CustomDPOTrainer, tmp_path, plain, stage="dpo", pref_loss="sigmoid")
+    _compare(trainer, plain, fused, _pairs(seed=5), on=on)
+    assert calls == [kind != "frozen"]  # the policy pass (the reference pass has no gradient: forward only)
 
 
 @pytest.mark.parametrize("extra", [dict(pref_ftx=0.5), dict(ld_alpha=0.5), dict(dpo_label_smoothing=0.2)])

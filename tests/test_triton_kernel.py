@@ -202,6 +202,30 @@ def test_fast_per_row_keeps_dz(monkeypatch):
         assert rel(grads[store][1], ref[2]) <= 1.05 * rel(ref[2].bfloat16(), ref[2])
 
 
+def test_fast_per_row_frozen_head_keeps_nothing(monkeypatch):
+    """A frozen head (weight without grad: a DPO policy that trains only the body) with reduction="none": no dz is
+    kept whatever its size (FAST_STORE_MAX_BYTES 0), 4 N_v H V flops, dh at the rounding floor."""
+    from llamafactory_liger_fsdp.ops import triton_rows
+
+    n, h_dim, v, c = 200, 32, 500, 32
+    h, w, y = inputs(n, h_dim, v, torch.bfloat16, seed=9)
+    n_valid = int((y != -100).sum())
+    g = torch.rand(n, generator=torch.Generator().manual_seed(3)) * 3 + 0.1
+    monkeypatch.setattr(triton_rows, "FAST_STORE_MAX_BYTES", 0)
+    monkeypatch.setattr(triton_rows, "default_chunk", lambda _v: c)
+    track = LiveBytes()
+    track.emulate_gpu(monkeypatch, triton_flce)
+    hh = h.detach().clone().requires_grad_()
+    with track:
+        loss = fused_linear_cross_entropy(hh, w.detach(), y, backend="triton_fast", reduction="none")
+        assert loss.grad_fn._forward_cls is triton_rows._StoredDzFLCE
+        assert track.peak() <= 4 * n_valid * h_dim + 4 * c * v + 2 * c * h_dim + 64 * n_valid + 8 * n
+        loss.backward(g)
+    assert track.mm_flops == 4 * n_valid * h_dim * v
+    ref = reference(h, w, y, reduction="none", grad_rows=g)
+    assert rel(hh.grad, ref[1]) <= 1.05 * rel(ref[1].bfloat16(), ref[1])
+
+
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("mode", ["no_grad", "inputs_without_grad"])
 def test_forward_only_when_no_gradient_is_needed(monkeypatch, fast, mode):

@@ -663,10 +663,11 @@ def _forward_only(hidden, weight, labels, ignore_index, reduction, softcap, eps,
     return _outputs(loss_rows, lse, idx, n, all_valid, reduction)
 
 
-def _stored_fits(labels, ignore_index, weight, elt, tiles) -> bool:
+def _stored_fits(labels, ignore_index, weight, elt, tiles) -> bool:  # (called with gradients on)
     from .triton_rows import stored_fits
 
-    return tiles is not None or stored_fits(int((labels != ignore_index).sum()), weight.shape[0], elt)
+    return tiles is not None or stored_fits(int((labels != ignore_index).sum()), weight.shape[0], elt,
+                                            need_w=weight.requires_grad)
 
 
 def fused_linear_cross_entropy_triton(

@@ -7,7 +7,8 @@ itself: per chunk of ``c`` valid rows, fp32 logits ``[c, V]`` -> statistics -> `
 ``dh_raw``'s rows by ``grad_output`` and forms ``dW`` per vocabulary slab from the kept ``dz`` and ``h`` rows scaled by
 ``grad_output / 2^k`` before their one rounding -- the lean path's exactness, in ``6 N_v H V``. It costs
 ``N_v V`` 16-bit values (1 GiB at 4096 rows of a 128k vocabulary), so :func:`stored_fits` admits it only within
-``FAST_STORE_MAX_BYTES``; beyond that the lean path runs.
+``FAST_STORE_MAX_BYTES``; beyond that the lean path runs. With a frozen head (no dW) nothing is kept: dz is written
+over the chunk's logits and only ``dh`` is formed, ``4 N_v H V``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from . import triton_flce as tf
 FAST_STORE_MAX_BYTES = 1024 * 1024 * 1024  # the kept dz [N_v, V]; above it, the lean path (bench/RESULTS.md section 9)
 
 
-def stored_fits(n_valid: int, v: int, elt: int) -> bool:
-    return n_valid * v * elt <= FAST_STORE_MAX_BYTES
+def stored_fits(n_valid: int, v: int, elt: int, need_w: bool = True) -> bool:
+    """Whether the kept dz fits ``FAST_STORE_MAX_BYTES``; without a weight gradient none is kept."""
+    return not need_w or n_valid * v * elt <= FAST_STORE_MAX_BYTES
 
 
 def default_chunk(v: int) -> int:
@@ -38,7 +40,7 @@ class _StoredDzFLCE(torch.autograd.Function):
         idx, n_valid, all_valid, y_valid = tf._valid_rows(labels, ignore_index)
         dtype = hidden.dtype
         S = tf._dz_scale(dtype)
-        dz_all = torch.empty(n_valid, v, device=dev, dtype=dtype)
+        dz_all = torch.empty(n_valid if need_w else 0, v, device=dev, dtype=dtype)  # a frozen head keeps none
         dh_raw = torch.empty(n_valid, h, device=dev, dtype=torch.float32) if need_h else None
         lse, loss_rows, tgt = (torch.empty(n_valid, device=dev, dtype=torch.float32) for _ in range(3))
         c = max(1, min(n_valid, chunk_rows))
@@ -50,9 +52,15 @@ class _StoredDzFLCE(torch.autograd.Function):
             m_c, s_c, t_c, zs_c = tf._chunk_stats(z, y_valid[rows], softcap, eps)
             lse[rows], loss_rows[rows], inv_s_c = tf._finish(m_c, s_c, t_c, zs_c, eps, v)
             tgt[rows] = t_c
-            tf._launch_dz(z, dz_all[rows], m_c, inv_s_c, softcap, eps, v, S)
+            if need_w:
+                dz = dz_all[rows]
+                tf._launch_dz(z, dz, m_c, inv_s_c, softcap, eps, v, S)
+            else:  # written over the logits, as in the fast path
+                dz = tf._dz_over(z, dtype)
+                tf._launch_dz_inplace(z, dz, m_c, inv_s_c, softcap, eps, v, S)
             if need_h:
-                tf._mm_f32(dz_all[rows], weight, out=dh_raw[rows])
+                tf._mm_f32(dz, weight, out=dh_raw[rows])
+            del dz
             del z, h_c
         del z_buf
         if need_h and n_valid and eps < 1.0:
