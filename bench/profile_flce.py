@@ -2,7 +2,8 @@
 
 For one shape (bf16, 30% ignored labels) and each implementation, forward+backward: the median CUDA-event time, the
 median host wall time (synchronised), the sum of the kernels' device time over one profiled call (so the gaps
-between kernels are event time minus it), the host ops that take the most self CPU time, the CUDA runtime calls that
+between kernels are event time minus it; ``timeline`` measures them inside the profiled call itself: span, busy, idle,
+the largest gaps with their neighbours, kernel time per kind), the host ops that take the most self CPU time, the CUDA runtime calls that
 can stall the host (synchronisations, allocations), and the peak memory beyond the inputs. ``project_fast@R`` runs
 triton_fast with R rows a chunk.
 
@@ -55,7 +56,27 @@ def one(fn, h, w, y):
     fn(h, w, y).backward()
 
 
-def profile(name, h, w, y, reps):
+def _timeline(kernels):
+    """From the profiled call's own kernel start/end times: span, busy time, idle time, the largest idle gaps with the
+    kernels on either side, and busy time per kind (GEMM, our Triton kernels, elementwise/other)."""
+    ks = sorted(kernels, key=lambda e: e.time_range.start)
+    if not ks:
+        return {}
+    span = (ks[-1].time_range.end - ks[0].time_range.start) / 1e3
+    busy = sum(e.time_range.end - e.time_range.start for e in ks) / 1e3
+    gaps = sorted(((b.time_range.start - a.time_range.end) / 1e3, a.name[:60], b.name[:60], i)
+                  for i, (a, b) in enumerate(zip(ks, ks[1:])))[::-1][:10]
+    kinds = {}
+    for e in ks:
+        name = e.name
+        kind = ("gemm" if any(t in name for t in ("nvjet", "gemm", "cutlass", "sm90_xmma", "matmul")) else
+                "triton" if name.startswith("_") else "elementwise/other")
+        kinds[kind] = kinds.get(kind, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+    return {"span_ms": span, "busy_ms": busy, "idle_ms": span - busy, "kernels_by_kind_ms": kinds,
+            "largest_gaps": [{"ms": g, "after": a, "before": b, "index": i} for g, a, b, i in gaps]}
+
+
+def profile(name, h, w, y, reps, trace=None):
     fn = impl(name)
     for _ in range(3):
         one(fn, h, w, y)
@@ -81,17 +102,20 @@ def profile(name, h, w, y, reps):
     with torch.profiler.profile(activities=acts) as prof:
         one(fn, h, w, y)
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(os.path.join(trace, f"trace_{name.replace('@', '_')}.json"))
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     device_ms = sum(e.device_time for e in kernels) / 1e3  # per-kernel durations, microseconds
     ops = prof.key_averages()
     cpu_top = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     stalls = {e.key: {"calls": e.count, "cpu_ms": e.self_cpu_time_total / 1e3} for e in ops
               if any(e.key.startswith(s) for s in STALLS)}
+    timeline = _timeline(kernels)
     dev_top = sorted((e for e in ops if e.key in {k.name for k in kernels}),
                      key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:12]
     return {"impl": name, "event_ms": statistics.median(events), "wall_ms": statistics.median(walls),
             "kernel_ms": device_ms, "gap_ms": statistics.median(events) - device_ms, "peak_extra_mib": peak,
-            "kernels": len(kernels), "stalls": stalls,
+            "kernels": len(kernels), "stalls": stalls, "timeline": timeline,
             "cpu_top": [{"name": e.key[:100], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
                         for e in cpu_top],
             "device_top": [{"name": e.key[:100], "calls": e.count,
@@ -104,6 +128,7 @@ def main():
     ap.add_argument("--shape", default="16384,4096,128256")
     ap.add_argument("--impls", default="project_fast,project_fast@2048,project_fast@4096,project,liger")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--trace", default=None, help="also write each profiled call's chrome trace into this folder")
     args = ap.parse_args()
     n, hd, v = map(int, args.shape.split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -114,7 +139,7 @@ def main():
     rows = []
     for name in args.impls.split(","):
         try:
-            rows.append(dict(profile(name, h, w, y, args.reps), shape=[n, hd, v]))
+            rows.append(dict(profile(name, h, w, y, args.reps, args.trace), shape=[n, hd, v]))
         except Exception as exc:  # e.g. liger-kernel not installed
             rows.append({"impl": name, "shape": [n, hd, v], "error": f"{type(exc).__name__}: {exc}"[:300]})
         torch.cuda.empty_cache()
@@ -129,6 +154,12 @@ def main():
         print(f"{r['impl']:20s} {r['event_ms']:9.2f} {r['wall_ms']:8.2f} {r['kernel_ms']:9.2f} {r['gap_ms']:7.2f} "
               f"{r['peak_extra_mib']:9.0f}  {stall}")
         print("   cpu: " + "; ".join(f"{o['name'][:40]} {o['self_cpu_ms']:.1f}ms/{o['calls']}" for o in r["cpu_top"][:6]))
+        t = r.get("timeline") or {}
+        if t:
+            print(f"   profiled call: span {t['span_ms']:.2f} ms, busy {t['busy_ms']:.2f}, idle {t['idle_ms']:.2f}; "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in t["kernels_by_kind_ms"].items()))
+            for g in t["largest_gaps"][:6]:
+                print(f"     gap {g['ms']:.3f} ms after {g['after']} before {g['before']} (#{g['index']})")
 
 
 if __name__ == "__main__":
