@@ -63,10 +63,10 @@ class _Measured(torch.autograd.Function):
     one nested ``autograd.grad`` inside this node, so the dispatch mode covers exactly the kernel's own)."""
 
     @staticmethod
-    def forward(ctx, h, w, y, kernel, report):
+    def forward(ctx, h, w, y, kernel, report, kw):
         h_in, w_in = h.detach().requires_grad_(h.requires_grad), w.detach().requires_grad_(w.requires_grad)
         with torch.enable_grad(), LiveBytes() as live:
-            loss = kernel(h_in, w_in, y)
+            loss = kernel(h_in, w_in, y, **kw)
         report.peaks["forward"] = live.peak
         ctx.inner = (loss, h_in, w_in, report)
         return loss.detach()
@@ -82,7 +82,7 @@ class _Measured(torch.autograd.Function):
         report.peaks["backward"] = max(live.peak - returned, 0)
         report.log()
         out = [grads.pop(0) if t.requires_grad else None for t in (h_in, w_in)]
-        return out[0], out[1], None, None, None
+        return out[0], out[1], None, None, None, None
 
 
 class MemoryReport:
@@ -94,12 +94,13 @@ class MemoryReport:
         self.tokens = 0
         self.logged = False
 
-    def __call__(self, kernel, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor):
+    def __call__(self, kernel, h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, **kw):
+        """``kw``: the kernel's non-differentiable extras (``frozen_weight``), passed on."""
         self.tokens = int(h.shape[0])
         if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
-            return _Measured.apply(h, w, y, kernel, self)
+            return _Measured.apply(h, w, y, kernel, self, kw)
         with LiveBytes() as live:
-            loss = kernel(h, w, y)
+            loss = kernel(h, w, y, **kw)
         self.peaks["forward"] = live.peak
         self.log()
         return loss

@@ -31,8 +31,8 @@ def scaled(kernel: Callable, scale: tuple[float, bool]) -> Callable:
     """``kernel`` on rows multiplied (or divided) by the family's logit scale: ``(s h) W^T = s (h W^T)``."""
     value, divides = scale
 
-    def run(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor):
-        return kernel(h / value if divides else h * value, w, y)
+    def run(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, **kw):
+        return kernel(h / value if divides else h * value, w, y, **kw)
 
     return run
 

@@ -86,8 +86,9 @@ def token_logps(
     per_row = functools.partial(ops.fused_linear_cross_entropy, ignore_index=ignore_index, reduction="none",
                                 softcap=softcap, backend=resolve_backend(backend, h.device))
 
-    def kernel(h_in: torch.Tensor, w: torch.Tensor, y_in: torch.Tensor):
-        return per_row(h_in, w, y_in), _row_logit_sums(h_in, w, softcap)
+    def kernel(h_in: torch.Tensor, w: torch.Tensor, y_in: torch.Tensor, frozen_weight: torch.Tensor | None = None):
+        full = w if frozen_weight is None else torch.cat([frozen_weight, w.detach()], dim=1)
+        return per_row(h_in, w, y_in, frozen_weight=frozen_weight), _row_logit_sums(h_in, full, softcap)
 
     if scale is not None:
         kernel = scaled(kernel, scale)

@@ -41,6 +41,28 @@ def test_api_fp32_against_float64(backend, reduction, label_smoothing, softcap):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction,label_smoothing,softcap", [("mean", 0.0, None), ("sum", 0.1, None), ("none", 0.1, 2.5)])
+def test_frozen_weight_columns(backend, reduction, label_smoothing, softcap):
+    """``frozen_weight`` beside ``weight`` (a LoRA head's base weight beside lora_B): the loss and dh of the
+    side-by-side weight, a gradient for ``weight``'s columns only; fp32 against float64."""
+    h, w_all, y = inputs(37, 24, 101, torch.float32, seed=4)
+    frozen, w = w_all.detach()[:, :20].contiguous(), w_all.detach()[:, 20:].clone().requires_grad_()
+    g = _grad_rows(37) if reduction == "none" else None
+    fn = functools.partial(fused_linear_cross_entropy, frozen_weight=frozen)
+    loss, dh, dw = run(fn, h, w, y, grad_rows=g, reduction=reduction, label_smoothing=label_smoothing,
+                       softcap=softcap, backend=backend)
+    ref_loss, ref_dh, ref_dw = reference(h, w_all, y, reduction=reduction, softcap=softcap,
+                                         label_smoothing=label_smoothing, grad_rows=g)
+    assert dw.shape == w.shape and frozen.grad is None
+    assert rel(loss, ref_loss) <= 1e-6 and rel(dh, ref_dh) <= 1e-5 and rel(dw, ref_dw[:, 20:]) <= 1e-5
+    with torch.no_grad():  # the forward-only path
+        assert rel(fn(h, w, y, reduction=reduction, label_smoothing=label_smoothing, softcap=softcap,
+                      backend=backend), ref_loss) <= 1e-6
+    with pytest.raises(ValueError, match=r"frozen_weight \(101, 19\)"):
+        fused_linear_cross_entropy(h, w, y, frozen_weight=frozen[:, 1:], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_ignore_index_other_than_default(backend):
     h, w, y = inputs(20, 16, 50, torch.float32, seed=2)
     y[y == -100] = 7  # 7 is a real class id here, and also the ignore index

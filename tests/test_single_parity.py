@@ -88,6 +88,34 @@ def test_lora_head_delta_enters_loss():
         assert g is not None and g.abs().sum() > 0
 
 
+@pytest.mark.parametrize("family", ["llama", "phi"])  # phi: the base layer has a (frozen) bias
+def test_lora_head_differentiates_only_lora_b(family, monkeypatch):
+    """The LoRA head hands the kernel its frozen columns (base weight, bias) as ``frozen_weight``: the weight it
+    differentiates is lora_B's ``[V, r]`` alone; loss and every gradient still equal the unfused model's."""
+    from llamafactory_liger_fsdp import ops
+
+    seen = []
+    real = ops.fused_linear_cross_entropy
+
+    def spy(h, w, y, **kw):
+        seen.append((tuple(w.shape), None if kw.get("frozen_weight") is None else tuple(kw["frozen_weight"].shape)))
+        return real(h, w, y, **kw)
+
+    monkeypatch.setattr(ops, "fused_linear_cross_entropy", spy)
+    ref, cand = twin(family, "lora")
+    engage(cand, LigerFsdpConfig(enabled=True, backend="torch", guard=False))
+    lm_head = cand.base_model.model.lm_head
+    v, hidden = lm_head.base_layer.weight.shape
+    r = lm_head.lora_B["default"].weight.shape[1]
+    batch = make_batch()
+    out_ref, out = ref(**batch), cand(**batch)
+    assert seen == [((v, r), (v, hidden + (lm_head.base_layer.bias is not None)))]
+    assert (lm_head.base_layer.bias is not None) == (family == "phi")
+    assert abs(out.loss.item() - out_ref.loss.item()) <= TOL * abs(out_ref.loss.item())
+    out_ref.loss.backward(), out.loss.backward()
+    _compare(ref, cand)
+
+
 def test_lora_dropout_same_mask():
     ref, cand = twin("qwen2", "lora", dropout=0.3)
     engage(cand, backend="torch")

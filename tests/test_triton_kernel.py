@@ -202,6 +202,29 @@ def test_fast_per_row_keeps_dz(monkeypatch):
         assert rel(grads[store][1], ref[2]) <= 1.05 * rel(ref[2].bfloat16(), ref[2])
 
 
+@pytest.mark.parametrize("path", ["lean", "fast", "rows"])
+def test_frozen_weight_columns_at_the_rounding_floor(monkeypatch, path):
+    """bf16, a LoRA head's shape ([W, B] with W frozen): dW only for B's columns -- 2 N_v H_B V flops instead of
+    2 N_v H V (4 N_v H V + that in all, 2 N_v H V more on the lean path) -- and dh, dB at the rounding floor."""
+    n, h_f, h_t, v = 96, 32, 8, 300
+    h, w_all, y = inputs(n, h_f + h_t, v, torch.bfloat16, seed=6)
+    frozen, w = w_all.detach()[:, :h_f].contiguous(), w_all.detach()[:, h_f:].clone().requires_grad_()
+    n_valid = int((y != -100).sum())
+    reduction = "none" if path == "rows" else "mean"
+    g = torch.rand(n, generator=torch.Generator().manual_seed(4)) + 0.5 if path == "rows" else None
+    track = LiveBytes()
+    track.emulate_gpu(monkeypatch, triton_flce)
+    with track:
+        loss, dh, dw = run(fused_linear_cross_entropy, h, w, y, grad_rows=g, reduction=reduction,
+                           backend="triton" if path == "lean" else "triton_fast", frozen_weight=frozen)
+    hv = n_valid * (h_f + h_t) * v
+    assert track.mm_flops == (6 if path == "lean" else 4) * hv + 2 * n_valid * h_t * v
+    ref = reference(h, w_all, y, reduction=reduction, grad_rows=g)
+    assert rel(loss, ref[0]) <= 1e-6
+    assert rel(dh, ref[1]) <= 1.05 * rel(ref[1].bfloat16(), ref[1])
+    assert rel(dw, ref[2][:, h_f:]) <= 1.05 * rel(ref[2][:, h_f:].bfloat16(), ref[2][:, h_f:])
+
+
 def test_fast_per_row_frozen_head_keeps_nothing(monkeypatch):
     """A frozen head (weight without grad: a DPO policy that trains only the body) with reduction="none": no dz is
     kept whatever its size (FAST_STORE_MAX_BYTES 0), 4 N_v H V flops, dh at the rounding floor."""

@@ -2,7 +2,8 @@
 
 A head kind is a small strategy object: which modules own the weights the kernel reads
 (:attr:`Head.weight_paths`, relative to the causal LM), and how to call a kernel ``kernel(h, w, y)``
-with those weights gathered (:meth:`Head.run`, which goes through :mod:`..gather`). The losses
+with those weights gathered (:meth:`Head.run`, which goes through :mod:`..gather`); a head whose weight is partly
+frozen passes that part as ``kernel(h, w, y, frozen_weight=f)`` (columns of ``f`` first, only ``w`` differentiated). The losses
 (:mod:`..losses`) build the kernel; the head knows nothing of what it computes.
 """
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from ..config import LigerFsdpConfigError
 
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]
+Kernel = Callable[..., Any]  # kernel(h, w, y) or kernel(h, w, y, frozen_weight=f)
 
 
 class Head(ABC):

@@ -60,6 +60,7 @@ def fused_linear_cross_entropy(
     softcap: float | None = None,
     return_lse: bool = False,
     backend: str | None = None,
+    frozen_weight: torch.Tensor | None = None,
 ):
     """Cross-entropy of ``softcap(hidden @ weight.T)`` against ``labels`` without materialising the logits.
 
@@ -77,6 +78,9 @@ def fused_linear_cross_entropy(
         return_lse: also return the per-row log-sum-exp of the (softcapped) logits, ``[N]`` fp32,
             0 on ignored rows; it carries no gradient.
         backend: ``"triton"``, ``"triton_fast"``, ``"torch"`` or ``None`` (triton on CUDA, torch elsewhere).
+        frozen_weight: optional ``[V, H_f]`` columns that come before ``weight``'s (``[V, H - H_f]``): the logits are
+            ``hidden @ [frozen_weight, weight]^T`` and only ``weight`` is differentiated (a LoRA head's base weight
+            beside lora_B: dW costs ``2 N_v (H - H_f) V`` flops instead of ``2 N_v H V``).
 
     Returns the fp32 loss (a scalar, or ``[N]`` for ``"none"``), differentiable in ``hidden`` and
     ``weight``; ``(loss, lse)`` with ``return_lse``. Under autocast both inputs are cast to the
@@ -87,10 +91,13 @@ def fused_linear_cross_entropy(
             f"fused_linear_cross_entropy wants hidden [N, H], weight [V, H], labels [N]; got "
             f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}"
         )
-    if hidden.shape[1] != weight.shape[1] or hidden.shape[0] != labels.shape[0]:
+    h_f = 0 if frozen_weight is None else frozen_weight.shape[1]
+    if (hidden.shape[1] != h_f + weight.shape[1] or hidden.shape[0] != labels.shape[0]
+            or (frozen_weight is not None and (frozen_weight.dim() != 2 or frozen_weight.shape[0] != weight.shape[0]))):
+        frozen = "" if frozen_weight is None else f", frozen_weight {tuple(frozen_weight.shape)}"
         raise ValueError(
             f"fused_linear_cross_entropy: shapes do not match: hidden {tuple(hidden.shape)}, weight "
-            f"{tuple(weight.shape)}, labels {tuple(labels.shape)}"
+            f"{tuple(weight.shape)}{frozen}, labels {tuple(labels.shape)}"
         )
     if reduction not in REDUCTIONS:
         raise ValueError(f"fused_linear_cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -109,13 +116,15 @@ def fused_linear_cross_entropy(
     if torch.is_autocast_enabled(dev):
         dtype = torch.get_autocast_dtype(dev)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
-    if hidden.dtype != weight.dtype:
+        frozen_weight = None if frozen_weight is None else frozen_weight.to(dtype)
+    if hidden.dtype != weight.dtype or (frozen_weight is not None and frozen_weight.dtype != weight.dtype):
         raise TypeError(
-            f"fused_linear_cross_entropy: hidden is {hidden.dtype} but weight is {weight.dtype} (outside autocast). "
+            f"fused_linear_cross_entropy: hidden is {hidden.dtype} but weight is {weight.dtype}"
+            f"{'' if frozen_weight is None else f' and frozen_weight {frozen_weight.dtype}'} (outside autocast). "
             "Cast one of them, as nn.Linear would require."
         )
     kw = {"ignore_index": ignore_index, "reduction": reduction, "label_smoothing": float(label_smoothing),
-          "softcap": softcap, "return_lse": return_lse}
+          "softcap": softcap, "return_lse": return_lse, "frozen_weight": frozen_weight}
     if backend == "torch":
         return fused_linear_cross_entropy_torch(hidden, weight, labels, **kw)
     from .triton_flce import fused_linear_cross_entropy_triton

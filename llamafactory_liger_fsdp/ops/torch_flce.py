@@ -48,8 +48,11 @@ def _logits(h: torch.Tensor, w: torch.Tensor, softcap: float | None) -> torch.Te
 class _TorchFLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, cfg):
-        ignore_index, reduction, softcap, eps, chunk_rows = cfg
+        ignore_index, reduction, softcap, eps, chunk_rows, frozen = cfg
         n, v = hidden.shape[0], weight.shape[0]
+        w_shape, col0 = weight.shape, 0 if frozen is None else frozen.shape[1]
+        if frozen is not None:  # [frozen, weight] side by side; only weight's columns are differentiated
+            weight = torch.cat([frozen, weight], dim=1)
         rows = _rows_per_chunk(n, v, chunk_rows)
         valid = labels != ignore_index
         loss_rows = torch.zeros(n, dtype=torch.float32, device=hidden.device)
@@ -68,7 +71,8 @@ class _TorchFLCE(torch.autograd.Function):
                 lse[s : s + rows] = torch.where(ok, lse_c, 0.0)
         n_valid = valid.sum()
         ctx.save_for_backward(hidden, weight, labels, n_valid)
-        ctx.cfg = (ignore_index, reduction, softcap, eps, rows)
+        ctx.cfg = (ignore_index, reduction, softcap, eps, rows, col0)
+        ctx.w_shape = w_shape
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse)
         if reduction == "none":
@@ -79,15 +83,16 @@ class _TorchFLCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         hidden, weight, labels, n_valid = ctx.saved_tensors
-        ignore_index, reduction, softcap, eps, rows = ctx.cfg
+        ignore_index, reduction, softcap, eps, rows, col0 = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_out is None:
             return None, None, None, None
         v = weight.shape[0]
         if not bool(n_valid):  # nothing labelled: zero gradients whatever grad_output is (sum / 0 gives inf)
-            return (torch.zeros_like(hidden) if need_h else None), (torch.zeros_like(weight) if need_w else None), None, None
+            return (torch.zeros_like(hidden) if need_h else None), (
+                torch.zeros(ctx.w_shape, dtype=weight.dtype, device=weight.device) if need_w else None), None, None
         dh = torch.empty_like(hidden) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        dw = torch.zeros(ctx.w_shape, dtype=torch.float32, device=weight.device) if need_w else None
         g_out = grad_out.float()
         if reduction == "mean":
             g_out = g_out / n_valid.clamp(min=1).float()
@@ -110,7 +115,7 @@ class _TorchFLCE(torch.autograd.Function):
                 if need_h:
                     dh[s : s + rows] = g @ weight
                 if need_w:
-                    dw += (g.t() @ h).float()
+                    dw += (g.t() @ h[:, col0:]).float()
         return dh, (dw.to(weight.dtype) if need_w else None), None, None
 
 
@@ -125,8 +130,11 @@ def fused_linear_cross_entropy_torch(
     softcap: float | None = None,
     return_lse: bool = False,
     chunk_rows: int | None = None,
+    frozen_weight: torch.Tensor | None = None,
 ):
     """Chunked torch implementation (no label check); see
     :func:`llamafactory_liger_fsdp.ops.fused_linear_cross_entropy`."""
-    loss, lse = _TorchFLCE.apply(hidden, weight, labels, (ignore_index, reduction, softcap, float(label_smoothing), chunk_rows))
+    frozen = None if frozen_weight is None else frozen_weight.detach()
+    loss, lse = _TorchFLCE.apply(hidden, weight, labels,
+                                 (ignore_index, reduction, softcap, float(label_smoothing), chunk_rows, frozen))
     return (loss, lse) if return_lse else loss

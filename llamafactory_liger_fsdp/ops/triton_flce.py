@@ -456,6 +456,15 @@ def _row_coefficients(grad_loss, idx, all_valid, reduction, n_valid):
 
 
 # --------------------------------------------------------------------------- autograd
+def _full_weight(weight: torch.Tensor, frozen: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """(the weight the logits use, the first of its columns that gets a gradient): ``[frozen, weight]`` side by side
+    when a frozen part is given (a LoRA head's base weight beside lora_B: only ``weight``'s columns are
+    differentiated, ``2 N_v H_t V`` flops for dW instead of ``2 N_v H V``)."""
+    if frozen is None:
+        return weight, 0
+    return torch.cat([frozen, weight], dim=1), frozen.shape[1]
+
+
 def _valid_rows(labels: torch.Tensor, ignore_index: int):
     """(indices of the rows whose label is not ignored, their count, whether that is every row, their labels)."""
     idx = (labels != ignore_index).nonzero().squeeze(1)
@@ -467,9 +476,10 @@ def _valid_rows(labels: torch.Tensor, ignore_index: int):
 class _LeanFLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, cfg):
-        ignore_index, reduction, softcap, eps, budget = cfg
+        ignore_index, reduction, softcap, eps, budget, frozen = cfg
         n, h = hidden.shape
         v = weight.shape[0]
+        w_full, col0 = _full_weight(weight, frozen)
         idx, n_valid, all_valid, y_valid = _valid_rows(labels, ignore_index)
         if isinstance(budget, tuple):
             v_s, r = (max(1, t) for t in budget)
@@ -478,9 +488,9 @@ class _LeanFLCE(torch.autograd.Function):
                                 all_valid=all_valid, row_scaled=reduction == "none", elt=hidden.element_size(),
                                 mem_budget=budget)
         r = min(r, max(n_valid, 1))
-        lse, loss_rows, tgt, m, inv_s = _lean_forward(hidden, weight, idx, y_valid, all_valid, softcap, eps, v_s, r)
-        ctx.save_for_backward(hidden, weight, idx, y_valid, m, inv_s, tgt)
-        ctx.cfg = (reduction, softcap, eps, v_s, r, all_valid)
+        lse, loss_rows, tgt, m, inv_s = _lean_forward(hidden, w_full, idx, y_valid, all_valid, softcap, eps, v_s, r)
+        ctx.save_for_backward(hidden, w_full, idx, y_valid, m, inv_s, tgt)
+        ctx.cfg = (reduction, softcap, eps, v_s, r, all_valid, col0)
         ctx.set_materialize_grads(False)
         loss, lse_full = _outputs(loss_rows, lse, idx, n, all_valid, reduction)
         ctx.mark_non_differentiable(lse_full)
@@ -494,14 +504,15 @@ class _LeanFLCE(torch.autograd.Function):
 
 
 def _lean_backward(ctx, grad_loss):
-    hidden, weight, idx, y_valid, m, inv_s, tgt = ctx.saved_tensors
-    reduction, softcap, eps, v_s, r, all_valid = ctx.cfg
+    hidden, weight, idx, y_valid, m, inv_s, tgt = ctx.saved_tensors  # weight: the full one (frozen columns first)
+    reduction, softcap, eps, v_s, r, all_valid, col0 = ctx.cfg
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     h = hidden.shape[1]
     v = weight.shape[0]
     n_valid = int(idx.numel())
+    w_cols = weight[:, col0:]  # the columns that get a gradient
     if grad_loss is None or n_valid == 0 or not (need_h or need_w):
-        return (torch.zeros_like(hidden) if need_h else None), (torch.zeros_like(weight) if need_w else None)
+        return (torch.zeros_like(hidden) if need_h else None), (torch.zeros_like(w_cols) if need_w else None)
     dtype = hidden.dtype
     S = _dz_scale(dtype)
     c = _row_coefficients(grad_loss, idx, all_valid, reduction, n_valid)
@@ -517,7 +528,7 @@ def _lean_backward(ctx, grad_loss):
     targets = _Targets(y_valid, idx, all_valid, _target_coef(tgt, softcap, eps, S), c_w) if eps < 1.0 else None
     bounds = targets.slab_bounds(v, v_s) if targets is not None and need_w else None
     dh_acc = torch.zeros(n_valid, h, device=hidden.device, dtype=torch.float32) if need_h else None
-    dw = torch.empty_like(weight) if need_w else None
+    dw = torch.empty(w_cols.shape, device=weight.device, dtype=weight.dtype) if need_w else None
     one_block = r >= n_valid
     h_all = _gather(hidden, idx, all_valid, slice(0, n_valid), True) if one_block else None
     for s0 in range(0, v, v_s):
@@ -533,7 +544,7 @@ def _lean_backward(ctx, grad_loss):
             if need_h:
                 _addmm_f32_(dh_acc[rows], dz, w_s)
             if need_w:
-                h_w = h_r if uniform else (h_r * c_w[rows].unsqueeze(1)).to(dtype)
+                h_w = h_r[:, col0:] if uniform else (h_r[:, col0:] * c_w[rows].unsqueeze(1)).to(dtype)
                 if dw_slab is None:
                     dw_slab = _mm_f32(dz.t(), h_w)
                 else:
@@ -543,7 +554,7 @@ def _lean_backward(ctx, grad_loss):
         if need_w:
             if bounds is not None:
                 k0 = s0 // v_s
-                targets.add_dw(dw_slab, hidden, bounds[k0], bounds[k0 + 1], s0)
+                targets.add_dw(dw_slab, hidden[:, col0:], bounds[k0], bounds[k0 + 1], s0)
             torch.mul(dw_slab, w_post, out=dw[s0 : s0 + v_s])
             del dw_slab
     del h_all
@@ -573,15 +584,17 @@ class _FastFLCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, cfg):
-        ignore_index, reduction, softcap, eps, chunk_rows = cfg
+        ignore_index, reduction, softcap, eps, chunk_rows, frozen = cfg
         n, h = hidden.shape
         v = weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w_shape = weight.shape
+        weight, col0 = _full_weight(weight, frozen)
         idx, n_valid, all_valid, y_valid = _valid_rows(labels, ignore_index)
         dtype = ctx.dtype = hidden.dtype
         S = _dz_scale(dtype)
         dh_raw = torch.empty(n_valid, h, device=hidden.device, dtype=torch.float32) if need_h else None
-        dw_raw = torch.zeros(v, h, device=weight.device, dtype=torch.float32) if need_w and n_valid else None
+        dw_raw = torch.zeros(w_shape, device=weight.device, dtype=torch.float32) if need_w and n_valid else None
         lse = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         loss_rows = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         tgt = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
@@ -602,7 +615,7 @@ class _FastFLCE(torch.autograd.Function):
             if need_h:
                 _mm_f32(dz, weight, out=dh_raw[rows])
             if need_w:
-                _addmm_f32_(dw_raw, dz.t(), h_c)
+                _addmm_f32_(dw_raw, dz.t(), h_c[:, col0:])
             del dz, h_c
         del z_buf
         if n_valid and eps < 1.0 and (need_h or need_w):
@@ -610,10 +623,10 @@ class _FastFLCE(torch.autograd.Function):
             if need_h:
                 targets.add_dh(dh_raw, weight)
             if need_w:
-                targets.add_dw(dw_raw, hidden, 0, targets.labels.numel(), 0)
+                targets.add_dw(dw_raw, hidden[:, col0:], 0, targets.labels.numel(), 0)
         ctx.save_for_backward(*(x for x in (dh_raw, dw_raw, idx) if x is not None))
         ctx.cfg = (need_h, need_w, reduction, all_valid, n, S)
-        ctx.h, ctx.w_shape = h, weight.shape
+        ctx.h, ctx.w_shape = h, w_shape
         ctx.set_materialize_grads(False)
         loss, lse_full = _outputs(loss_rows, lse, idx, n, all_valid, reduction)
         ctx.mark_non_differentiable(lse_full)
@@ -650,7 +663,8 @@ class _FastFLCE(torch.autograd.Function):
         return dh, dw, None, None
 
 
-def _forward_only(hidden, weight, labels, ignore_index, reduction, softcap, eps, mem_budget):
+def _forward_only(hidden, weight, labels, ignore_index, reduction, softcap, eps, mem_budget, frozen=None):
+    weight = _full_weight(weight, frozen)[0]
     n, h = hidden.shape
     v = weight.shape[0]
     idx, n_valid, all_valid, y_valid = _valid_rows(labels, ignore_index)
@@ -683,9 +697,10 @@ def fused_linear_cross_entropy_triton(
     mem_budget: int = DEFAULT_MEM_BUDGET,
     tiles: tuple[int, int, int] | None = None,
     fast: bool = False,
+    frozen_weight: torch.Tensor | None = None,
 ):
     """Triton backend of :func:`llamafactory_liger_fsdp.ops.fused_linear_cross_entropy` (labels
-    must already be checked). ``tiles=(c, v_s, R)`` overrides the planning (``c``: fast path row
+    must already be checked; ``frozen_weight`` as there). ``tiles=(c, v_s, R)`` overrides the planning (``c``: fast path row
     chunk; ``(v_s, R)``: lean tiles) so tests reach every loop path.
 
     Without a gradient to compute (grad mode off, or neither input requires grad) only the
@@ -693,21 +708,22 @@ def fused_linear_cross_entropy_triton(
     eps = float(label_smoothing)
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
+        frozen = None if frozen_weight is None else frozen_weight.detach().contiguous()
         lean_tiles = mem_budget if tiles is None else (tiles[1], tiles[2])
         if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
-            loss, lse = _forward_only(hidden, weight, labels, ignore_index, reduction, softcap, eps, lean_tiles)
+            loss, lse = _forward_only(hidden, weight, labels, ignore_index, reduction, softcap, eps, lean_tiles, frozen)
         elif fast and reduction == "none" and _stored_fits(labels, ignore_index, weight, hidden.element_size(), tiles):
             from .triton_rows import stored_dz_flce
 
-            loss, lse = stored_dz_flce(hidden, weight, labels, ignore_index, softcap, eps, tiles)
+            loss, lse = stored_dz_flce(hidden, weight, labels, ignore_index, softcap, eps, tiles, frozen)
         elif fast and reduction != "none":
             if tiles is None:
                 cap = FAST_CHUNK_MAX_BYTES // (4 * weight.shape[0])
                 chunk_rows = max(16, min(FAST_CHUNK_ROWS, cap // 16 * 16))
             else:
                 chunk_rows = tiles[0]
-            loss, lse = _FastFLCE.apply(hidden, weight, labels, (ignore_index, reduction, softcap, eps, chunk_rows))
+            loss, lse = _FastFLCE.apply(hidden, weight, labels, (ignore_index, reduction, softcap, eps, chunk_rows, frozen))
         else:
-            loss, lse = _LeanFLCE.apply(hidden, weight, labels, (ignore_index, reduction, softcap, eps, lean_tiles))
+            loss, lse = _LeanFLCE.apply(hidden, weight, labels, (ignore_index, reduction, softcap, eps, lean_tiles, frozen))
     return (loss, lse) if return_lse else loss
 

@@ -32,11 +32,13 @@ def default_chunk(v: int) -> int:
 class _StoredDzFLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, cfg):
-        ignore_index, softcap, eps, chunk_rows, v_s = cfg
+        ignore_index, softcap, eps, chunk_rows, v_s, frozen = cfg
         n, h = hidden.shape
         v = weight.shape[0]
         dev = hidden.device
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w_shape = weight.shape
+        weight, col0 = tf._full_weight(weight, frozen)
         idx, n_valid, all_valid, y_valid = tf._valid_rows(labels, ignore_index)
         dtype = hidden.dtype
         S = tf._dz_scale(dtype)
@@ -66,8 +68,8 @@ class _StoredDzFLCE(torch.autograd.Function):
         if need_h and n_valid and eps < 1.0:
             tf._Targets(y_valid, idx, all_valid, tf._target_coef(tgt, softcap, eps, S)).add_dh(dh_raw, weight)
         ctx.save_for_backward(hidden, dz_all, tgt, idx, y_valid, *([dh_raw] if need_h else []))
-        ctx.cfg = (need_h, need_w, all_valid, n, S, softcap, eps, v_s)
-        ctx.w_shape = weight.shape
+        ctx.cfg = (need_h, need_w, all_valid, n, S, softcap, eps, v_s, col0)
+        ctx.w_shape = w_shape
         ctx.set_materialize_grads(False)
         loss, lse_full = tf._outputs(loss_rows, lse, idx, n, all_valid, "none")
         ctx.mark_non_differentiable(lse_full)
@@ -76,7 +78,7 @@ class _StoredDzFLCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse):
         hidden, dz_all, tgt, idx, y_valid, *rest = ctx.saved_tensors
-        need_h, need_w, all_valid, n, S, softcap, eps, v_s = ctx.cfg
+        need_h, need_w, all_valid, n, S, softcap, eps, v_s, col0 = ctx.cfg
         if grad_loss is None:
             return None, None, None, None
         n_valid = int(idx.numel())
@@ -87,7 +89,7 @@ class _StoredDzFLCE(torch.autograd.Function):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             c = tf._row_coefficients(grad_loss, idx, all_valid, "none", n_valid)
             dh = _dh(rest[0], c / S, idx, all_valid, n, dtype) if need_h else None
-            dw = _dw(hidden, dz_all, tgt, idx, y_valid, c, all_valid, S, softcap, eps, v_s, ctx.w_shape) if need_w else None
+            dw = _dw(hidden[:, col0:], dz_all, tgt, idx, y_valid, c, all_valid, S, softcap, eps, v_s, ctx.w_shape) if need_w else None
         return dh, dw, None, None
 
 
@@ -126,8 +128,9 @@ def _dw(hidden, dz_all, tgt, idx, y_valid, c, all_valid, S, softcap, eps, v_s, w
     return dw
 
 
-def stored_dz_flce(hidden, weight, labels, ignore_index, softcap, eps, tiles):
-    """(per-row loss [N], lse [N]); ``tiles=(c, v_s, _)`` overrides the row chunk and the dW slab (tests)."""
+def stored_dz_flce(hidden, weight, labels, ignore_index, softcap, eps, tiles, frozen=None):
+    """(per-row loss [N], lse [N]); ``tiles=(c, v_s, _)`` overrides the row chunk and the dW slab (tests);
+    ``frozen``: the weight's frozen columns, first (see ``triton_flce._full_weight``)."""
     v = weight.shape[0]
     c, v_s = (default_chunk(v), tf.MAX_SLAB * 2) if tiles is None else (tiles[0], tiles[1])
-    return _StoredDzFLCE.apply(hidden, weight, labels, (ignore_index, softcap, eps, c, max(1, v_s)))
+    return _StoredDzFLCE.apply(hidden, weight, labels, (ignore_index, softcap, eps, c, max(1, v_s), frozen))
