@@ -134,12 +134,18 @@ def _dz_values(z, m, inv_s, softcap, off_target, out_scale, dz_ptr, HAS_SOFTCAP:
     g = tl.exp(zc - m[:, None]) * inv_s[:, None] - off_target
     if HAS_SOFTCAP:
         g = g * (1.0 - th * th)
-    g = g * out_scale
+    return _round_to(g * out_scale, dz_ptr, IS_BF16)
+
+
+@triton.jit
+def _round_to(g, dst_ptr, IS_BF16: tl.constexpr):
+    """fp32 ``g`` rounded once to the dtype of ``dst_ptr``; bf16 to nearest even by hand (the GPU's cast gives the same
+    bits, the interpreter's truncates)."""
     if IS_BF16:
         bits = g.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return g.to(dz_ptr.dtype.element_ty)
+    return g.to(dst_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -225,6 +231,44 @@ def _rows_axpy(dst, dst_rows, src, src_rows, coef, starts):
         dst, dst.stride(0), dst_rows, src, src.stride(0), src_rows, coef, starts, n_dst, dst.shape[1],
         BLOCK_R=br, BLOCK=block, num_warps=4,
     )
+
+
+@triton.jit
+def _scale_cast_kernel(
+    src_ptr, stride_src, dst_ptr, stride_dst, dst_rows_ptr, scale_ptr, n_rows, n_cols,
+    ROW_SCALE: tl.constexpr, SCATTER: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """dst[d_i] = round(src[i] * scale[.]) with ``d_i = dst_rows[i]`` (``SCATTER``) or ``i``; scale one fp32 value in
+    device memory or one per row (``ROW_SCALE``). One read of fp32, one write of the output dtype (the same bits as
+    ``torch.mul(src, scale, out=dst)``)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (cols < n_cols)[None, :]
+    r64 = rows.to(tl.int64)
+    x = tl.load(src_ptr + r64[:, None] * stride_src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ROW_SCALE:
+        g = x * tl.load(scale_ptr + rows, mask=rmask, other=0.0)[:, None]
+    else:
+        g = x * tl.load(scale_ptr)
+    d = tl.load(dst_rows_ptr + rows, mask=rmask, other=0).to(tl.int64) if SCATTER else r64
+    tl.store(dst_ptr + d[:, None] * stride_dst + cols[None, :], _round_to(g, dst_ptr, IS_BF16), mask=mask)
+
+
+def _scale_cast(src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, dst_rows: torch.Tensor | None = None):
+    """``out[dst_rows or :] = src * scale`` rounded once (``src`` fp32 [R, C], ``scale`` a 0-d or [R] tensor): one pass,
+    where ``torch.mul`` into a 16-bit ``out`` takes its slow mixed-dtype path and a scatter would need a copy."""
+    n_rows, n_cols = src.shape
+    if n_rows == 0 or n_cols == 0:
+        return out
+    scale = scale.to(device=src.device, dtype=torch.float32).contiguous()
+    rows = dst_rows if dst_rows is not None else scale  # (an unused pointer when not scattering)
+    br, block = (8, 512) if src.is_cuda else (16, min(1024, triton.next_power_of_2(n_cols)))
+    _scale_cast_kernel[(triton.cdiv(n_rows, br), triton.cdiv(n_cols, block))](
+        src, src.stride(0), out, out.stride(0), rows, scale, n_rows, n_cols, ROW_SCALE=scale.dim() > 0,
+        SCATTER=dst_rows is not None, IS_BF16=out.dtype == torch.bfloat16, BLOCK_R=br, BLOCK=block, num_warps=4,
+    )
+    return out
 
 
 # --------------------------------------------------------------------------- matmul helpers
@@ -406,22 +450,29 @@ def _target_coef(t, softcap, eps, out_scale):
 
 class _Targets:
     """The target term of the gradient, added in fp32 outside the low-precision dz:
-    ``dh_i += a_i W[y_i]`` and ``dW[j] += sum_{i: y_i = j} a_i h_i`` (rows summed in a fixed order)."""
+    ``dh_i += a_i W[y_i]`` and ``dW[j] += sum_{i: y_i = j} a_i h_i`` (rows summed in a fixed order).
+    Built from the labels alone (its one host sync, ``unique_consecutive``, comes before the GEMMs are queued, so
+    the GPU never waits for the host after them); the coefficients come later with :meth:`coef`."""
 
-    def __init__(self, y_valid, idx, all_valid, a, row_w=None):
-        self.y, self.a = y_valid, a
-        ys, perm = torch.sort(y_valid, stable=True)
+    def __init__(self, y_valid, idx, all_valid):
+        self.y = y_valid
+        ys, self.perm = torch.sort(y_valid, stable=True)
         self.labels, counts = torch.unique_consecutive(ys, return_counts=True)
         self.starts = torch.zeros(self.labels.numel() + 1, device=ys.device, dtype=torch.int64)
         torch.cumsum(counts, 0, out=self.starts[1:])
-        self.src_rows = perm if all_valid else idx.index_select(0, perm)
-        coef = a if row_w is None else a * row_w
-        self.coef_w = coef.index_select(0, perm).contiguous()
+        self.src_rows = self.perm if all_valid else idx.index_select(0, self.perm)
+        self.a = self.coef_w = None
+
+    def coef(self, a, row_w=None) -> "_Targets":
+        """Set ``a_i`` (and the rows' factors for dW, ``row_w``)."""
+        self.a = a.contiguous()
+        self.coef_w = (a if row_w is None else a * row_w).index_select(0, self.perm).contiguous()
+        return self
 
     def add_dh(self, dh_acc, weight):
         n = dh_acc.shape[0]
         ar = torch.arange(n + 1, device=dh_acc.device)
-        _rows_axpy(dh_acc, ar[:n], weight, self.y, self.a.contiguous(), ar)
+        _rows_axpy(dh_acc, ar[:n], weight, self.y, self.a, ar)
 
     def slab_bounds(self, v, v_s):
         edges = torch.arange(0, v + v_s, v_s, device=self.labels.device)
@@ -488,6 +539,9 @@ class _LeanFLCE(torch.autograd.Function):
                                 all_valid=all_valid, row_scaled=reduction == "none", elt=hidden.element_size(),
                                 mem_budget=budget)
         r = min(r, max(n_valid, 1))
+        need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        ctx.targets = _Targets(y_valid, idx, all_valid) if n_valid and eps < 1.0 and need else None
+        ctx.bounds = ctx.targets.slab_bounds(v, v_s) if ctx.targets is not None and ctx.needs_input_grad[1] else None
         lse, loss_rows, tgt, m, inv_s = _lean_forward(hidden, w_full, idx, y_valid, all_valid, softcap, eps, v_s, r)
         ctx.save_for_backward(hidden, w_full, idx, y_valid, m, inv_s, tgt)
         ctx.cfg = (reduction, softcap, eps, v_s, r, all_valid, col0)
@@ -525,8 +579,9 @@ def _lean_backward(ctx, grad_loss):
         pow2 = torch.ldexp(torch.ones((), device=c.device), k)
         c_w = c / pow2
         w_post = pow2 / S
-    targets = _Targets(y_valid, idx, all_valid, _target_coef(tgt, softcap, eps, S), c_w) if eps < 1.0 else None
-    bounds = targets.slab_bounds(v, v_s) if targets is not None and need_w else None
+    targets, bounds = ctx.targets, ctx.bounds  # built in forward, before its GEMMs
+    if targets is not None:
+        targets.coef(_target_coef(tgt, softcap, eps, S), c_w)
     dh_acc = torch.zeros(n_valid, h, device=hidden.device, dtype=torch.float32) if need_h else None
     dw = torch.empty(w_cols.shape, device=weight.device, dtype=weight.dtype) if need_w else None
     one_block = r >= n_valid
@@ -555,25 +610,15 @@ def _lean_backward(ctx, grad_loss):
             if bounds is not None:
                 k0 = s0 // v_s
                 targets.add_dw(dw_slab, hidden[:, col0:], bounds[k0], bounds[k0 + 1], s0)
-            torch.mul(dw_slab, w_post, out=dw[s0 : s0 + v_s])
+            _scale_cast(dw_slab, w_post, dw[s0 : s0 + v_s])
             del dw_slab
     del h_all
     dh = None
     if need_h:
         if targets is not None:
             targets.add_dh(dh_acc, weight)
-        h_post = (c / S) if uniform else (c / S).unsqueeze(1)
-        if all_valid:
-            dh = torch.empty_like(hidden)
-            torch.mul(dh_acc, h_post, out=dh)
-        else:
-            dh = torch.zeros_like(hidden)
-            tmp = torch.empty(min(r, n_valid), h, device=hidden.device, dtype=dtype)
-            for r0 in range(0, n_valid, r):
-                rows = slice(r0, r0 + r)
-                t = tmp[: dh_acc[rows].shape[0]]
-                torch.mul(dh_acc[rows], h_post if uniform else h_post[rows], out=t)
-                dh.index_copy_(0, idx[rows], t)
+        dh = torch.empty_like(hidden) if all_valid else torch.zeros_like(hidden)
+        _scale_cast(dh_acc, c / S, dh, None if all_valid else idx)
     return dh, dw
 
 
@@ -594,11 +639,12 @@ class _FastFLCE(torch.autograd.Function):
         dtype = ctx.dtype = hidden.dtype
         S = _dz_scale(dtype)
         dh_raw = torch.empty(n_valid, h, device=hidden.device, dtype=torch.float32) if need_h else None
-        dw_raw = torch.zeros(w_shape, device=weight.device, dtype=torch.float32) if need_w and n_valid else None
+        dw_raw = torch.empty(w_shape, device=weight.device, dtype=torch.float32) if need_w and n_valid else None
         lse = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         loss_rows = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         tgt = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         c = max(1, min(n_valid, chunk_rows))
+        targets = _Targets(y_valid, idx, all_valid) if n_valid and eps < 1.0 and (need_h or need_w) else None
         wt = weight.t()
         z_buf = torch.empty(c, v, device=hidden.device, dtype=torch.float32) if n_valid else None
         for s0 in range(0, n_valid, c):
@@ -614,12 +660,14 @@ class _FastFLCE(torch.autograd.Function):
             del z
             if need_h:
                 _mm_f32(dz, weight, out=dh_raw[rows])
-            if need_w:
+            if need_w and s0 == 0:  # the first chunk writes the accumulator (no 4 V H-byte fill)
+                _mm_f32(dz.t(), h_c[:, col0:], out=dw_raw)
+            elif need_w:
                 _addmm_f32_(dw_raw, dz.t(), h_c[:, col0:])
             del dz, h_c
         del z_buf
-        if n_valid and eps < 1.0 and (need_h or need_w):
-            targets = _Targets(y_valid, idx, all_valid, _target_coef(tgt, softcap, eps, S))
+        if targets is not None:
+            targets.coef(_target_coef(tgt, softcap, eps, S))
             if need_h:
                 targets.add_dh(dh_raw, weight)
             if need_w:
@@ -648,18 +696,10 @@ class _FastFLCE(torch.autograd.Function):
         scale = grad_loss.float() / (S * (max(n_valid, 1) if reduction == "mean" else 1))
         dh = dw = None
         if dw_raw is not None:
-            dw = torch.empty(dw_raw.shape, device=dw_raw.device, dtype=ctx.dtype)
-            torch.mul(dw_raw, scale, out=dw)
+            dw = _scale_cast(dw_raw, scale, torch.empty(dw_raw.shape, device=dw_raw.device, dtype=ctx.dtype))
         if dh_raw is not None:
-            if all_valid:
-                dh = torch.empty(dh_raw.shape, device=dh_raw.device, dtype=ctx.dtype)
-                torch.mul(dh_raw, scale, out=dh)
-            else:
-                dh = torch.zeros(n, dh_raw.shape[1], device=dh_raw.device, dtype=ctx.dtype)
-                if n_valid:
-                    tmp = torch.empty(dh_raw.shape, device=dh_raw.device, dtype=ctx.dtype)
-                    torch.mul(dh_raw, scale, out=tmp)
-                    dh.index_copy_(0, idx, tmp)
+            dh = (torch.empty if all_valid else torch.zeros)(n, dh_raw.shape[1], device=dh_raw.device, dtype=ctx.dtype)
+            _scale_cast(dh_raw, scale, dh, None if all_valid else idx)
         return dh, dw, None, None
 
 

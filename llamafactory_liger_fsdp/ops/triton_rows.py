@@ -46,6 +46,10 @@ class _StoredDzFLCE(torch.autograd.Function):
         dh_raw = torch.empty(n_valid, h, device=dev, dtype=torch.float32) if need_h else None
         lse, loss_rows, tgt = (torch.empty(n_valid, device=dev, dtype=torch.float32) for _ in range(3))
         c = max(1, min(n_valid, chunk_rows))
+        # the target term's index (one host sync) before any GEMM is queued
+        targets = tf._Targets(y_valid, idx, all_valid) if n_valid and eps < 1.0 and (need_h or need_w) else None
+        ctx.targets = targets
+        ctx.bounds = targets.slab_bounds(v, v_s) if targets is not None and need_w else None
         z_buf = torch.empty(c, v, device=dev, dtype=torch.float32) if n_valid else None
         for s0 in range(0, n_valid, c):
             rows = slice(s0, s0 + c)
@@ -65,8 +69,8 @@ class _StoredDzFLCE(torch.autograd.Function):
             del dz
             del z, h_c
         del z_buf
-        if need_h and n_valid and eps < 1.0:
-            tf._Targets(y_valid, idx, all_valid, tf._target_coef(tgt, softcap, eps, S)).add_dh(dh_raw, weight)
+        if need_h and targets is not None:
+            targets.coef(tf._target_coef(tgt, softcap, eps, S)).add_dh(dh_raw, weight)
         ctx.save_for_backward(hidden, dz_all, tgt, idx, y_valid, *([dh_raw] if need_h else []))
         ctx.cfg = (need_h, need_w, all_valid, n, S, softcap, eps, v_s, col0)
         ctx.w_shape = w_shape
@@ -89,24 +93,20 @@ class _StoredDzFLCE(torch.autograd.Function):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             c = tf._row_coefficients(grad_loss, idx, all_valid, "none", n_valid)
             dh = _dh(rest[0], c / S, idx, all_valid, n, dtype) if need_h else None
-            dw = _dw(hidden[:, col0:], dz_all, tgt, idx, y_valid, c, all_valid, S, softcap, eps, v_s, ctx.w_shape) if need_w else None
+            dw = _dw(hidden[:, col0:], dz_all, tgt, idx, c, all_valid, S, softcap, eps, v_s, ctx) if need_w else None
         return dh, dw, None, None
 
 
 def _dh(dh_raw, scale, idx, all_valid, n, dtype):
     """dh rows times ``grad_output / S`` (fp32), rounded once; 0 on ignored rows."""
-    scale = scale if scale.dim() == 0 else scale.unsqueeze(1)
-    if all_valid:
-        dh = torch.empty(dh_raw.shape, device=dh_raw.device, dtype=dtype)
-        return torch.mul(dh_raw, scale, out=dh)
-    dh = torch.zeros(n, dh_raw.shape[1], device=dh_raw.device, dtype=dtype)
-    tmp = torch.empty(dh_raw.shape, device=dh_raw.device, dtype=dtype)
-    return dh.index_copy_(0, idx, torch.mul(dh_raw, scale, out=tmp))
+    dh = (torch.empty if all_valid else torch.zeros)(n, dh_raw.shape[1], device=dh_raw.device, dtype=dtype)
+    return tf._scale_cast(dh_raw, scale, dh, None if all_valid else idx)
 
 
-def _dw(hidden, dz_all, tgt, idx, y_valid, c, all_valid, S, softcap, eps, v_s, w_shape):
+def _dw(hidden, dz_all, tgt, idx, c, all_valid, S, softcap, eps, v_s, ctx):
     """dW = dz^T (c h) per vocabulary slab, fp32, rounded once; for a per-row ``c`` the rows of ``h`` carry
     ``c / 2^k`` (|.| <= 1) into their one rounding and ``2^k / S`` is applied after the GEMM."""
+    w_shape = ctx.w_shape
     v = w_shape[0]
     h_rows = tf._gather(hidden, idx, all_valid, slice(0, idx.numel()), True)
     c_w = None
@@ -116,14 +116,15 @@ def _dw(hidden, dz_all, tgt, idx, y_valid, c, all_valid, S, softcap, eps, v_s, w
         pow2 = torch.ldexp(torch.ones((), device=c.device), torch.frexp(c.abs().max())[1])
         c_w = c / pow2
         h_w, post = (h_rows * c_w.unsqueeze(1)).to(hidden.dtype), pow2 / S
-    targets = tf._Targets(y_valid, idx, all_valid, tf._target_coef(tgt, softcap, eps, S), c_w) if eps < 1.0 else None
-    bounds = targets.slab_bounds(v, v_s) if targets is not None else None
+    targets, bounds = ctx.targets, ctx.bounds  # built in forward
+    if targets is not None:
+        targets.coef(tf._target_coef(tgt, softcap, eps, S), c_w)
     dw = torch.empty(w_shape, device=hidden.device, dtype=hidden.dtype)
     for k, s0 in enumerate(range(0, v, v_s)):
         slab = tf._mm_f32(dz_all[:, s0 : s0 + v_s].t(), h_w)
         if targets is not None:
             targets.add_dw(slab, hidden, bounds[k], bounds[k + 1], s0)
-        torch.mul(slab, post, out=dw[s0 : s0 + v_s])
+        tf._scale_cast(slab, post, dw[s0 : s0 + v_s])
         del slab
     return dw
 
