@@ -76,6 +76,49 @@ def _timeline(kernels):
             "largest_gaps": [{"ms": g, "after": a, "before": b, "index": i} for g, a, b, i in gaps]}
 
 
+def _ev():
+    return torch.cuda.Event(enable_timing=True)
+
+
+def modes(fn, h, w, y, reps):
+    """Unprofiled event times of one call three ways: ``cold`` (GPU idle at the start, as the benchmark times it: the
+    host's work before the first kernel counts), ``hidden`` (a GPU sleep queued first so the host's start is hidden:
+    the GPU-bound time), ``steady`` (``reps`` calls back to back, per call); plus the forward's and backward's share
+    of ``hidden`` (an event recorded when forward returns)."""
+    sleep_cycles = int(3e7)  # ~15 ms on an H200
+    sl = []
+    for _ in range(3):
+        a, b = _ev(), _ev()
+        a.record()
+        torch.cuda._sleep(sleep_cycles)
+        b.record()
+        torch.cuda.synchronize()
+        sl.append(a.elapsed_time(b))
+    sleep_ms = statistics.median(sl)
+    hidden, fwd = [], []
+    for _ in range(reps):
+        h.grad = w.grad = None
+        a, m, b = _ev(), _ev(), _ev()
+        torch.cuda._sleep(sleep_cycles)
+        a.record()
+        loss = fn(h, w, y)
+        m.record()
+        loss.backward()
+        b.record()
+        torch.cuda.synchronize()
+        hidden.append(a.elapsed_time(b))
+        fwd.append(a.elapsed_time(m))
+    a, b = _ev(), _ev()
+    torch.cuda.synchronize()
+    a.record()
+    for _ in range(reps):
+        one(fn, h, w, y)
+    b.record()
+    torch.cuda.synchronize()
+    return {"hidden_ms": statistics.median(hidden), "hidden_fwd_ms": statistics.median(fwd),
+            "steady_ms": a.elapsed_time(b) / reps, "sleep_ms": sleep_ms}
+
+
 def profile(name, h, w, y, reps, trace=None):
     fn = impl(name)
     for _ in range(3):
@@ -93,6 +136,7 @@ def profile(name, h, w, y, reps, trace=None):
         torch.cuda.synchronize()
         walls.append((time.perf_counter() - t0) * 1e3)
         events.append(start.elapsed_time(end))
+    timing_modes = modes(fn, h, w, y, reps)
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     one(fn, h, w, y)
@@ -115,7 +159,7 @@ def profile(name, h, w, y, reps, trace=None):
                      key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:12]
     return {"impl": name, "event_ms": statistics.median(events), "wall_ms": statistics.median(walls),
             "kernel_ms": device_ms, "gap_ms": statistics.median(events) - device_ms, "peak_extra_mib": peak,
-            "kernels": len(kernels), "stalls": stalls, "timeline": timeline,
+            "kernels": len(kernels), "stalls": stalls, "timeline": timeline, "modes": timing_modes,
             "cpu_top": [{"name": e.key[:100], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
                         for e in cpu_top],
             "device_top": [{"name": e.key[:100], "calls": e.count,
@@ -153,6 +197,10 @@ def main():
         stall = " ".join(f"{k}x{v['calls']}:{v['cpu_ms']:.1f}ms" for k, v in r["stalls"].items())
         print(f"{r['impl']:20s} {r['event_ms']:9.2f} {r['wall_ms']:8.2f} {r['kernel_ms']:9.2f} {r['gap_ms']:7.2f} "
               f"{r['peak_extra_mib']:9.0f}  {stall}")
+        mo = r.get("modes") or {}
+        if mo:
+            print(f"   unprofiled: cold {r['event_ms']:.2f} ms, GPU-bound (host start hidden) {mo['hidden_ms']:.2f} "
+                  f"(forward {mo['hidden_fwd_ms']:.2f}), back to back {mo['steady_ms']:.2f}")
         print("   cpu: " + "; ".join(f"{o['name'][:40]} {o['self_cpu_ms']:.1f}ms/{o['calls']}" for o in r["cpu_top"][:6]))
         t = r.get("timeline") or {}
         if t:

@@ -1,6 +1,7 @@
 """Print the markdown tables of bench/RESULTS.md from the committed JSON (no GPU needed).
 
     python bench/summarize.py
+    python bench/summarize.py kernel3   # issue 20's table from results/h200_kernel3.json
     python bench/summarize.py speed [--speed-json bench/results/h200_speed.json] [--png-dir DIR]
 
 ``speed``: bench/speed_h200.py's rows -- one table per scenario (median over runs, ratios to plain / liger) and two
@@ -27,6 +28,32 @@ def kernel_table():
             continue
         print(f"| {r['N']}x{r['H']}x{r['V']} | {r['impl']} | {r['ms']:.1f} | {r['floor_ms']:.1f} | {r['x_floor']:.2f} | "
               f"{r['peak_extra_mib']:.0f} | {r['peak_total_extra_mib']:.0f} | {r['err_dx']:.1e} | {r['err_dw']:.1e} |")
+
+
+def kernel3_table(path=os.path.join(HERE, "h200_kernel3.json")):
+    """Issue 20's table: per shape and ignored fraction, each implementation's ms (x floor_valid_ms, peak MiB beyond
+    inputs and gradients) and its dX / dW errors; "x sust." is the same ratio against the sustained matmul rate."""
+    rows = [r for r in json.load(open(path)) if "ms" in r]
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    keys = list(dict.fromkeys((tuple(r["shape"]), r["ignored_frac"]) for r in rows))
+    by = {(tuple(r["shape"]), r["ignored_frac"], r["impl"]): r for r in rows}
+    print("| N x H x V | ignored | floor_valid ms | " + " | ".join(f"{i} ms (x, x sust., MiB)" for i in impls)
+          + " | err dx / dW: " + ", ".join(impls) + " |")
+    print("|---|---|---|" + "---|" * (len(impls) + 1))
+    for shape, ign in keys:
+        cells, errs, floor = [], [], None
+        for i in impls:
+            r = by.get((shape, ign, i))
+            if r is None:
+                cells.append("-")
+                errs.append("-")
+                continue
+            floor = r["floor_valid_ms"]
+            sust = f", {r['x_valid_floor_sustained']:.2f}" if "x_valid_floor_sustained" in r else ""
+            cells.append(f"{r['ms']:.1f} ({r['x_valid_floor']:.2f}{sust}, {r['peak_extra_mib']:.0f})")
+            errs.append(f"{r['err_dx']:.1e}/{r['err_dw']:.1e}")
+        print(f"| {'x'.join(map(str, shape))} | {ign:.0%} | {floor:.1f} | " + " | ".join(cells) + " | "
+              + ", ".join(errs) + " |")
 
 
 def check_table():
@@ -186,11 +213,14 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description="Print bench/RESULTS.md's tables from bench/results/ (no GPU needed).")
-    ap.add_argument("section", nargs="?", default="all", choices=["all", "speed"],
+    ap.add_argument("section", nargs="?", default="all", choices=["all", "speed", "kernel3"],
                     help="all: the tables printed so far (default); speed: bench/speed_h200.py's rows and charts")
     ap.add_argument("--speed-json", default=os.path.join(HERE, "h200_speed.json"))
     ap.add_argument("--png-dir", default=None, help="where the speed charts go (default: next to --speed-json)")
     args = ap.parse_args()
+    if args.section == "kernel3":
+        kernel3_table()
+        raise SystemExit(0)
     if args.section == "speed":
         speed(args.speed_json, args.png_dir)
         raise SystemExit(0)
