@@ -118,6 +118,21 @@ def matmul_tflops(n=8192, reps=10):
     return 2 * n**3 / (statistics.median(times) * 1e-3) / 1e12
 
 
+def cuda_ms(fn, reps=10, warmup=2):
+    """Median CUDA-event milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` (synchronised each call)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
 def matmul_tflops_sustained(n=8192, reps=40):
     """The same GEMM back to back for ~60 ms (no sync between): the rate under the sustained load a fused kernel's
     GEMMs see (clocks drop under power limits), beside :func:`matmul_tflops`'s short bursts."""

@@ -10,25 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import sys
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.bench_flce import cuda_ms  # noqa: E402
+
 H = 4096
-
-
-def timed(fn, reps=10):
-    for _ in range(3):
-        fn()
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        out.append(s.elapsed_time(e))
-    return statistics.median(out)
 
 
 def main():
@@ -51,7 +42,7 @@ def main():
                 "dW_write": lambda: torch.mm(dz.t(), h, out_dtype=torch.float32, out=dw),
             }
             for kind, fn in kinds.items():
-                ms = timed(fn)
+                ms = cuda_ms(fn, warmup=3)
                 row = {"M": m, "N": n, "K": H, "kind": kind, "ms": ms, "tflops": 2 * m * n * H / (ms * 1e-3) / 1e12}
                 rows.append(row)
                 print(f"{m:6d} x {n:6d}  {kind:14s} {ms:8.3f} ms {row['tflops']:6.0f} TFLOP/s", flush=True)

@@ -9,14 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.bench_flce import make_inputs  # noqa: E402
+from bench.bench_flce import cuda_ms, make_inputs  # noqa: E402
 from llamafactory_liger_fsdp.ops import triton_flce as tf  # noqa: E402
 
 MIB = 1024 * 1024
@@ -44,16 +43,7 @@ def main():
                 h.grad = w.grad = None
                 tf.fused_linear_cross_entropy_triton(h, w, y, mem_budget=budget).backward()
 
-            for _ in range(2):
-                once()
-            times = []
-            for _ in range(7):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                once()
-                e.record()
-                torch.cuda.synchronize()
-                times.append(s.elapsed_time(e))
+            ms = cuda_ms(once, 7)
             h.grad = w.grad = None
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
@@ -62,7 +52,7 @@ def main():
             torch.cuda.synchronize()
             grads = h.numel() * 2 + w.numel() * 2
             row = {"shape": [n, hd, v], "ignored_frac": args.ignored, "max_slab": slab, "budget_gib": budget_gib,
-                   "v_s": v_s, "rows": r, "ms": statistics.median(times),
+                   "v_s": v_s, "rows": r, "ms": ms,
                    "peak_extra_mib": (torch.cuda.max_memory_allocated() - base - grads) / MIB}
             rows.append(row)
             print(json.dumps(row), flush=True)

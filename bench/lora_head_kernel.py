@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.bench_flce import matmul_tflops, rel  # noqa: E402
+from bench.bench_flce import cuda_ms, matmul_tflops, rel  # noqa: E402
 
 MIB = 1024 * 1024
 
@@ -87,17 +86,7 @@ def bench(variant, backend, shape, ignore, reps, rate):
     ref_dh, ref_db = reference(h0, w, a, b0, y, scale)
     row["err_dh"], row["err_db"] = rel(h.grad, ref_dh), rel(b.grad, ref_db)
     del h, b, ref_dh, ref_db
-    for _ in range(2):
-        once()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        once()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    row["ms"] = statistics.median(times)
+    row["ms"] = cuda_ms(once, reps)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
