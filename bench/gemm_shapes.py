@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.bench_flce import cuda_ms  # noqa: E402
+from bench.bench_flce import _meta, cuda_ms  # noqa: E402
 
 H = 4096
 
@@ -26,7 +26,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/h200_gemm_shapes.json")
     args = ap.parse_args()
-    rows = []
+    rows, meta = [], _meta()  # card, date, versions on every row
     for m in (2048, 3072, 4096, 11469):
         for n in (8192, 16384, 32768, 128256):
             h = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
@@ -44,7 +44,7 @@ def main():
             for kind, fn in kinds.items():
                 ms = cuda_ms(fn, warmup=3)
                 row = {"M": m, "N": n, "K": H, "kind": kind, "ms": ms, "tflops": 2 * m * n * H / (ms * 1e-3) / 1e12}
-                rows.append(row)
+                rows.append(dict(row, **meta))
                 print(f"{m:6d} x {n:6d}  {kind:14s} {ms:8.3f} ms {row['tflops']:6.0f} TFLOP/s", flush=True)
             del h, w, dz, z, dh, dw
             torch.cuda.empty_cache()

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.bench_flce import cuda_ms, make_inputs  # noqa: E402
+from bench.bench_flce import _meta, cuda_ms, make_inputs  # noqa: E402
 from llamafactory_liger_fsdp.ops import triton_flce as tf  # noqa: E402
 
 MIB = 1024 * 1024
@@ -30,7 +30,7 @@ def main():
     n, hd, v = map(int, args.shape.split(","))
     hidden, weight, y = make_inputs(n, hd, v, ignore=args.ignored)
     n_valid = int((y != -100).sum())
-    rows = []
+    rows, meta = [], _meta()  # card, date, versions on every row
     for slab in (8192, 16384, 32768):
         for budget_gib in (1.0, 1.5, 2.0):
             tf.MAX_SLAB = slab
@@ -54,7 +54,7 @@ def main():
             row = {"shape": [n, hd, v], "ignored_frac": args.ignored, "max_slab": slab, "budget_gib": budget_gib,
                    "v_s": v_s, "rows": r, "ms": ms,
                    "peak_extra_mib": (torch.cuda.max_memory_allocated() - base - grads) / MIB}
-            rows.append(row)
+            rows.append(dict(row, **meta))
             print(json.dumps(row), flush=True)
             del h, w
             torch.cuda.empty_cache()

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.bench_flce import cuda_ms, matmul_tflops, rel  # noqa: E402
+from bench.bench_flce import _meta, cuda_ms, matmul_tflops, rel  # noqa: E402
 
 MIB = 1024 * 1024
 
@@ -106,6 +106,7 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     rate = matmul_tflops()
+    meta = _meta()  # card, date, versions on every row
     rows = []
     print(f"bf16 matmul {rate:.0f} TFLOP/s")
     print(f"{'shape':>26s} {'backend':12s} {'variant':13s} {'ms':>7s} {'x floor':>7s} {'peak MiB':>9s} {'err dh':>9s} {'err dB':>9s}")
@@ -114,7 +115,7 @@ def main():
         for backend, variant in [("torch", "peft_unfused"), ("triton_fast", "whole"), ("triton_fast", "frozen_weight"),
                                  ("triton", "whole"), ("triton", "frozen_weight")]:
             row = bench(variant, backend, shape, args.ignored, args.reps, rate)
-            rows.append(row)
+            rows.append(dict(row, **meta))
             print(f"{str(shape):>26s} {backend:12s} {variant:13s} {row['ms']:7.2f} {row['x_valid_floor']:7.3f} "
                   f"{row['peak_extra_mib']:9.0f} {row['err_dh']:9.2e} {row['err_db']:9.2e}", flush=True)
             with open(args.out, "w") as f:

@@ -110,9 +110,9 @@ def main():
             print(f"{m}x{k}x{n}: rel err z {err_c:.1e}, max |lse err| {err_lse:.1e}")
             assert err_c < 1e-5 and err_lse < 1e-4
         return
-    from bench.bench_flce import cuda_ms
+    from bench.bench_flce import _meta, cuda_ms
 
-    rows = []
+    rows, meta = [], _meta()  # card, date, versions on every row
     for spec in args.shapes.split(";"):
         m, k, n = map(int, spec.split(","))
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -121,12 +121,12 @@ def main():
         flop = 2 * m * n * k
         out = torch.empty(m, n, device="cuda", dtype=torch.float32)
         ms = cuda_ms(lambda: torch.mm(a, b.t(), out_dtype=torch.float32, out=out), warmup=3)
-        rows.append({"shape": [m, k, n], "impl": "cublas", "ms": ms, "tflops": flop / ms / 1e9})
+        rows.append({"shape": [m, k, n], "impl": "cublas", "ms": ms, "tflops": flop / ms / 1e9, **meta})
         print(json.dumps(rows[-1]), flush=True)
         del out
         for cfg in CONFIGS:
             for stats in (False, True):
-                row = {"shape": [m, k, n], "impl": "triton_stats" if stats else "triton", "config": list(cfg)}
+                row = {"shape": [m, k, n], "impl": "triton_stats" if stats else "triton", "config": list(cfg), **meta}
                 try:
                     row["ms"] = cuda_ms(lambda: triton_mm(a, b, cfg, stats), warmup=3)
                     row["tflops"] = flop / row["ms"] / 1e9

@@ -463,6 +463,12 @@ class _Targets:
         self.src_rows = self.perm if all_valid else idx.index_select(0, self.perm)
         self.a = self.coef_w = None
 
+    @classmethod
+    def before_gemms(cls, y_valid, idx, all_valid, eps, needed) -> "_Targets | None":
+        """The index when a target term will be added (some row labelled, ``eps < 1``, a gradient wanted), else None;
+        called before the first GEMM is queued."""
+        return cls(y_valid, idx, all_valid) if idx.numel() and eps < 1.0 and needed else None
+
     def coef(self, a, row_w=None) -> "_Targets":
         """Set ``a_i`` (and the rows' factors for dW, ``row_w``)."""
         self.a = a.contiguous()
@@ -493,6 +499,13 @@ def _outputs(loss_rows, lse, idx, n, all_valid, reduction):
             loss = loss / max(n_valid, 1)
     lse_full = lse if all_valid else lse.new_zeros(n).index_copy_(0, idx, lse)
     return loss, lse_full
+
+
+def _scaled_rows(raw, scale, idx, all_valid, n, dtype):
+    """dh [N, H] in ``dtype``: the valid rows' fp32 ``raw`` times ``scale`` (0-d or per row), rounded once; 0 on
+    ignored rows."""
+    dh = (torch.empty if all_valid else torch.zeros)(n, raw.shape[1], device=raw.device, dtype=dtype)
+    return _scale_cast(raw, scale, dh, None if all_valid else idx)
 
 
 def _row_coefficients(grad_loss, idx, all_valid, reduction, n_valid):
@@ -539,8 +552,7 @@ class _LeanFLCE(torch.autograd.Function):
                                 all_valid=all_valid, row_scaled=reduction == "none", elt=hidden.element_size(),
                                 mem_budget=budget)
         r = min(r, max(n_valid, 1))
-        need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        ctx.targets = _Targets(y_valid, idx, all_valid) if n_valid and eps < 1.0 and need else None
+        ctx.targets = _Targets.before_gemms(y_valid, idx, all_valid, eps, any(ctx.needs_input_grad[:2]))
         ctx.bounds = ctx.targets.slab_bounds(v, v_s) if ctx.targets is not None and ctx.needs_input_grad[1] else None
         lse, loss_rows, tgt, m, inv_s = _lean_forward(hidden, w_full, idx, y_valid, all_valid, softcap, eps, v_s, r)
         ctx.save_for_backward(hidden, w_full, idx, y_valid, m, inv_s, tgt)
@@ -617,8 +629,7 @@ def _lean_backward(ctx, grad_loss):
     if need_h:
         if targets is not None:
             targets.add_dh(dh_acc, weight)
-        dh = torch.empty_like(hidden) if all_valid else torch.zeros_like(hidden)
-        _scale_cast(dh_acc, c / S, dh, None if all_valid else idx)
+        dh = _scaled_rows(dh_acc, c / S, idx, all_valid, hidden.shape[0], dtype)
     return dh, dw
 
 
@@ -644,7 +655,7 @@ class _FastFLCE(torch.autograd.Function):
         loss_rows = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         tgt = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         c = max(1, min(n_valid, chunk_rows))
-        targets = _Targets(y_valid, idx, all_valid) if n_valid and eps < 1.0 and (need_h or need_w) else None
+        targets = _Targets.before_gemms(y_valid, idx, all_valid, eps, need_h or need_w)
         wt = weight.t()
         z_buf = torch.empty(c, v, device=hidden.device, dtype=torch.float32) if n_valid else None
         for s0 in range(0, n_valid, c):
@@ -698,8 +709,7 @@ class _FastFLCE(torch.autograd.Function):
         if dw_raw is not None:
             dw = _scale_cast(dw_raw, scale, torch.empty(dw_raw.shape, device=dw_raw.device, dtype=ctx.dtype))
         if dh_raw is not None:
-            dh = (torch.empty if all_valid else torch.zeros)(n, dh_raw.shape[1], device=dh_raw.device, dtype=ctx.dtype)
-            _scale_cast(dh_raw, scale, dh, None if all_valid else idx)
+            dh = _scaled_rows(dh_raw, scale, idx, all_valid, n, ctx.dtype)
         return dh, dw, None, None
 
 

@@ -47,7 +47,7 @@ class _StoredDzFLCE(torch.autograd.Function):
         lse, loss_rows, tgt = (torch.empty(n_valid, device=dev, dtype=torch.float32) for _ in range(3))
         c = max(1, min(n_valid, chunk_rows))
         # the target term's index (one host sync) before any GEMM is queued
-        targets = tf._Targets(y_valid, idx, all_valid) if n_valid and eps < 1.0 and (need_h or need_w) else None
+        targets = tf._Targets.before_gemms(y_valid, idx, all_valid, eps, need_h or need_w)
         ctx.targets = targets
         ctx.bounds = targets.slab_bounds(v, v_s) if targets is not None and need_w else None
         z_buf = torch.empty(c, v, device=dev, dtype=torch.float32) if n_valid else None
@@ -71,7 +71,7 @@ class _StoredDzFLCE(torch.autograd.Function):
         del z_buf
         if need_h and targets is not None:
             targets.coef(tf._target_coef(tgt, softcap, eps, S)).add_dh(dh_raw, weight)
-        ctx.save_for_backward(hidden, dz_all, tgt, idx, y_valid, *([dh_raw] if need_h else []))
+        ctx.save_for_backward(hidden, dz_all, tgt, idx, *([dh_raw] if need_h else []))
         ctx.cfg = (need_h, need_w, all_valid, n, S, softcap, eps, v_s, col0)
         ctx.w_shape = w_shape
         ctx.set_materialize_grads(False)
@@ -81,7 +81,7 @@ class _StoredDzFLCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse):
-        hidden, dz_all, tgt, idx, y_valid, *rest = ctx.saved_tensors
+        hidden, dz_all, tgt, idx, *rest = ctx.saved_tensors
         need_h, need_w, all_valid, n, S, softcap, eps, v_s, col0 = ctx.cfg
         if grad_loss is None:
             return None, None, None, None
@@ -92,15 +92,9 @@ class _StoredDzFLCE(torch.autograd.Function):
                 torch.zeros(ctx.w_shape, device=hidden.device, dtype=dtype) if need_w else None), None, None
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             c = tf._row_coefficients(grad_loss, idx, all_valid, "none", n_valid)
-            dh = _dh(rest[0], c / S, idx, all_valid, n, dtype) if need_h else None
+            dh = tf._scaled_rows(rest[0], c / S, idx, all_valid, n, dtype) if need_h else None
             dw = _dw(hidden[:, col0:], dz_all, tgt, idx, c, all_valid, S, softcap, eps, v_s, ctx) if need_w else None
         return dh, dw, None, None
-
-
-def _dh(dh_raw, scale, idx, all_valid, n, dtype):
-    """dh rows times ``grad_output / S`` (fp32), rounded once; 0 on ignored rows."""
-    dh = (torch.empty if all_valid else torch.zeros)(n, dh_raw.shape[1], device=dh_raw.device, dtype=dtype)
-    return tf._scale_cast(dh_raw, scale, dh, None if all_valid else idx)
 
 
 def _dw(hidden, dz_all, tgt, idx, c, all_valid, S, softcap, eps, v_s, ctx):
