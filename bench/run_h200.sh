@@ -36,7 +36,7 @@ case "${1:-kernel}" in
     export PYTHONPATH=/tmp/site:$PWD
     limit=${KERNEL3_LIMIT:-320}
     timeout $((limit * 3 / 10)) python3 bench/bench_flce.py --check --out "$OUT/h200_kernel3_check.json" > "$OUT/check3.log" 2>&1
-    timeout $((limit - SECONDS)) python3 bench/bench_flce.py --ignored 0,0.25,0.5 --impls project_fast,project,liger \
+    timeout $((limit - SECONDS)) python3 bench/bench_flce.py --ignored 0,0.25,0.5 --impls ${KERNEL3_IMPLS:-project_fast,project,liger} \
       --deadline-s $((limit - 30 - SECONDS)) --out "$OUT/h200_kernel3.json" 2>&1 | tail -60 | tee "$OUT/kernel3.log"
     ;;
   all)
