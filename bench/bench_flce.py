@@ -77,17 +77,6 @@ def make_impl(name):
                 triton_flce.MAX_SLAB = old
 
         return lean
-    if name == "project_fast_cublas":  # the fast path with cuBLAS + the statistics pass (no fused logits kernel)
-        from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy, triton_logits
-
-        def unfused(h, w, y):
-            triton_logits.ENABLED = False
-            try:
-                return fused_linear_cross_entropy(h, w, y, backend="triton_fast")
-            finally:
-                triton_logits.ENABLED = True
-
-        return unfused
     if name.startswith("project_fast_c"):  # the fast path with another row chunk: project_fast_c2048
         from llamafactory_liger_fsdp.ops.triton_flce import fused_linear_cross_entropy_triton
 

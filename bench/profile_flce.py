@@ -27,15 +27,13 @@ STALLS = ("cudaMalloc", "cudaFree", "cudaStreamSynchronize", "cudaDeviceSynchron
 
 
 def impl(name):
-    if name.startswith("project_fast"):  # project_fast[_cublas][@rows]; _cublas: without the fused logits kernel
-        from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy, triton_flce, triton_logits
+    if name.startswith("project_fast"):
+        from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy, triton_flce
 
         rows = int(name.split("@")[1]) if "@" in name else triton_flce.FAST_CHUNK_ROWS
-        fused = not name.split("@")[0].endswith("_cublas")
 
         def fn(h, w, y):
             triton_flce.FAST_CHUNK_ROWS = rows
-            triton_logits.ENABLED = fused
             return fused_linear_cross_entropy(h, w, y, backend="triton_fast")
 
         return fn

@@ -7,6 +7,12 @@ per-row ``max`` and ``sum exp(z - max)`` (``[2, M, N / BLOCK_N]``, what a fused 
 log-sum-exp instead of a second pass over ``z``). Reports ms and TFLOP/s per shape and config (autotuned over a few
 Hopper-sized tiles), and checks ``z`` against cuBLAS and the combined lse against ``torch.logsumexp``. Rows to JSON.
 A fused kernel pays only if the "stats" row stays within ~5% of cuBLAS (the stats pass it removes is ~5% of the call).
+``--tma-sweep``: the persistent TMA kernel over more configs (TMA store, warp specialization, stages, GROUP_M).
+
+Answer on the H200 (``bench/results/h200_triton_gemm_probe.json``, Triton 3.6): the best Triton GEMM runs 6-10% below
+cuBLAS (pointer kernels 25-30%), so GEMM + epilogue statistics beats cuBLAS + the pass by only 2-8% on the logits step;
+wired into the fast path (commit 7a2f014) it made the whole call 0.2% (median) / 1.2% (min) faster over the 18 rows of
+``h200_kernel3_fused_ab.json`` and was removed again (bench/RESULTS.md section 1).
 
     python bench/triton_gemm_probe.py --out bench/results/h200_triton_gemm_probe.json
     TRITON_INTERPRET=1 python bench/triton_gemm_probe.py --cpu-check     # correctness on small shapes, no GPU

@@ -411,28 +411,9 @@ def _chunk_stats(z, y_c, softcap, eps):
         float(softcap or 1.0), HAS_SOFTCAP=softcap is not None, SMOOTH=bool(eps), ACCUMULATE=False, BLOCK_R=br,
         BLOCK=block, num_warps=8 if block >= 1024 else 4,
     )
-    return _combine_parts(part, eps)
-
-
-def _combine_parts(part, eps):
-    """(max, sum exp(z - max), target logit, sum of logits) per row from per-(row, column split) partial values
-    ``part`` [4, rows, splits]."""
     m_max = part[0].max(dim=1, keepdim=True).values
     s = (part[1] * torch.exp(part[0] - m_max)).sum(dim=1)
     return m_max.squeeze(1), s, part[2].sum(dim=1), part[3].sum(dim=1) if eps else None
-
-
-def _logits_stats(h_c, weight, z_out, y_c, softcap, eps):
-    """fp32 logits ``h_c @ weight^T`` into ``z_out`` and their :func:`_chunk_stats`: in one fused kernel where
-    :mod:`.triton_logits` runs (Hopper), else cuBLAS then the statistics pass."""
-    from . import triton_logits
-
-    if triton_logits.usable(h_c, weight, z_out):
-        part = triton_logits.logits_and_parts(h_c, weight, z_out, y_c, softcap, eps)
-        if part is not None:
-            return z_out, _combine_parts(part, eps)
-    z = _mm_f32(h_c, weight.t(), out=z_out)
-    return z, _chunk_stats(z, y_c, softcap, eps)
 
 
 def _launch_dz(z, dz, m, inv_s, softcap, eps, v, out_scale):
@@ -675,12 +656,14 @@ class _FastFLCE(torch.autograd.Function):
         tgt = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         c = max(1, min(n_valid, chunk_rows))
         targets = _Targets.before_gemms(y_valid, idx, all_valid, eps, need_h or need_w)
+        wt = weight.t()
         z_buf = torch.empty(c, v, device=hidden.device, dtype=torch.float32) if n_valid else None
         for s0 in range(0, n_valid, c):
             rows = slice(s0, s0 + c)
             h_c = _gather(hidden, idx, all_valid, rows, False)
             y_c = y_valid[rows]
-            z, (m_c, s_c, t_c, zs_c) = _logits_stats(h_c, weight, z_buf[: h_c.shape[0]], y_c, softcap, eps)
+            z = _mm_f32(h_c, wt, out=z_buf[: h_c.shape[0]])
+            m_c, s_c, t_c, zs_c = _chunk_stats(z, y_c, softcap, eps)
             lse[rows], loss_rows[rows], inv_s_c = _finish(m_c, s_c, t_c, zs_c, eps, v)
             tgt[rows] = t_c
             dz = _dz_over(z, dtype)  # written over the logits: one [c, V] fp32 buffer in all

@@ -54,8 +54,8 @@ class _StoredDzFLCE(torch.autograd.Function):
         for s0 in range(0, n_valid, c):
             rows = slice(s0, s0 + c)
             h_c = tf._gather(hidden, idx, all_valid, rows, False)
-            z, (m_c, s_c, t_c, zs_c) = tf._logits_stats(h_c, weight, z_buf[: h_c.shape[0]], y_valid[rows], softcap,
-                                                        eps)
+            z = tf._mm_f32(h_c, weight.t(), out=z_buf[: h_c.shape[0]])
+            m_c, s_c, t_c, zs_c = tf._chunk_stats(z, y_valid[rows], softcap, eps)
             lse[rows], loss_rows[rows], inv_s_c = tf._finish(m_c, s_c, t_c, zs_c, eps, v)
             tgt[rows] = t_c
             if need_w:
