@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .labels import label_error
 from .torch_flce import fused_linear_cross_entropy_torch
 
 BACKENDS = ("torch", "triton", "triton_fast")
@@ -38,15 +39,11 @@ def default_backend(device: torch.device, fast: bool = False) -> str:
 
 def check_labels(labels: torch.Tensor, v: int, ignore_index: int = -100) -> None:
     """Raise one ``ValueError`` naming the first label outside ``[0, v)`` that is not ``ignore_index``
-    (a device-side gather would assert instead, leaving the CUDA context unusable)."""
+    (a device-side gather would assert instead, leaving the CUDA context unusable). The Triton backends make the same
+    check inside their one host sync (:func:`.labels.scan_labels`)."""
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= v))
     if bool(bad.any()):
-        first = int(labels[bad.nonzero()[0, 0]])
-        raise ValueError(
-            f"fused_linear_cross_entropy: label {first} is outside [0, V) with V={v} (the head weight's rows) and is "
-            f"not ignore_index={ignore_index} ({int(bad.sum())} such label(s)). Was the vocabulary resized after "
-            "adding tokens?"
-        )
+        raise label_error(labels, v, ignore_index, bad)
 
 
 def fused_linear_cross_entropy(
@@ -111,7 +108,8 @@ def fused_linear_cross_entropy(
     if backend not in BACKENDS:
         raise ValueError(f"fused_linear_cross_entropy: backend must be one of {BACKENDS} or None, got {backend!r}")
     labels = labels.long()
-    check_labels(labels, weight.shape[0], ignore_index)
+    if backend == "torch":
+        check_labels(labels, weight.shape[0], ignore_index)
     dev = hidden.device.type
     if torch.is_autocast_enabled(dev):
         dtype = torch.get_autocast_dtype(dev)

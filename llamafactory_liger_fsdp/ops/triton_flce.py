@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .labels import LabelScan, scan_labels
+
 DEFAULT_MEM_BUDGET = 1024 * 1024 * 1024  # lean path working memory (chosen from bench/RESULTS.md section 1)
 # Fast path row chunk: fewer chunks = fewer passes over the fp32 [V, H] dW accumulator (8 V H bytes
 # each); chosen from bench/RESULTS.md section 1.
@@ -451,23 +453,24 @@ def _target_coef(t, softcap, eps, out_scale):
 class _Targets:
     """The target term of the gradient, added in fp32 outside the low-precision dz:
     ``dh_i += a_i W[y_i]`` and ``dW[j] += sum_{i: y_i = j} a_i h_i`` (rows summed in a fixed order).
-    Built from the labels alone (its one host sync, ``unique_consecutive``, comes before the GEMMs are queued, so
-    the GPU never waits for the host after them); the coefficients come later with :meth:`coef`."""
+    Its index comes from :func:`.labels.scan_labels` (the call's one host sync, before any GEMM is queued); the
+    coefficients come later with :meth:`coef`."""
 
-    def __init__(self, y_valid, idx, all_valid):
-        self.y = y_valid
-        ys, self.perm = torch.sort(y_valid, stable=True)
-        self.labels, counts = torch.unique_consecutive(ys, return_counts=True)
-        self.starts = torch.zeros(self.labels.numel() + 1, device=ys.device, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=self.starts[1:])
-        self.src_rows = self.perm if all_valid else idx.index_select(0, self.perm)
+    def __init__(self, scan: LabelScan):
+        self.y = scan.y_valid
+        self.perm, self.src_rows = scan.sorted.perm, scan.sorted.src_rows
+        self.labels, self.starts = scan.sorted.labels, scan.sorted.starts
         self.a = self.coef_w = None
 
+    @staticmethod
+    def wanted(eps, needed) -> bool:
+        """Whether a target term will be added when some row is labelled: ``eps < 1`` and a gradient wanted."""
+        return eps < 1.0 and needed
+
     @classmethod
-    def before_gemms(cls, y_valid, idx, all_valid, eps, needed) -> "_Targets | None":
-        """The index when a target term will be added (some row labelled, ``eps < 1``, a gradient wanted), else None;
-        called before the first GEMM is queued."""
-        return cls(y_valid, idx, all_valid) if idx.numel() and eps < 1.0 and needed else None
+    def of(cls, scan: LabelScan, eps, needed) -> "_Targets | None":
+        """The target term's index when it will be added (some row labelled, :meth:`wanted`), else None."""
+        return cls(scan) if scan.n_valid and cls.wanted(eps, needed) else None
 
     def coef(self, a, row_w=None) -> "_Targets":
         """Set ``a_i`` (and the rows' factors for dW, ``row_w``)."""
@@ -529,22 +532,14 @@ def _full_weight(weight: torch.Tensor, frozen: torch.Tensor | None) -> tuple[tor
     return torch.cat([frozen, weight], dim=1), frozen.shape[1]
 
 
-def _valid_rows(labels: torch.Tensor, ignore_index: int):
-    """(indices of the rows whose label is not ignored, their count, whether that is every row, their labels)."""
-    idx = (labels != ignore_index).nonzero().squeeze(1)
-    n_valid = int(idx.numel())
-    all_valid = n_valid == labels.shape[0]
-    return idx, n_valid, all_valid, (labels if all_valid else labels.index_select(0, idx))
-
-
 class _LeanFLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, cfg):
-        ignore_index, reduction, softcap, eps, budget, frozen = cfg
+        scan, reduction, softcap, eps, budget, frozen = cfg
         n, h = hidden.shape
         v = weight.shape[0]
         w_full, col0 = _full_weight(weight, frozen)
-        idx, n_valid, all_valid, y_valid = _valid_rows(labels, ignore_index)
+        idx, n_valid, all_valid, y_valid = scan.idx, scan.n_valid, scan.all_valid, scan.y_valid
         if isinstance(budget, tuple):
             v_s, r = (max(1, t) for t in budget)
         else:
@@ -552,7 +547,8 @@ class _LeanFLCE(torch.autograd.Function):
                                 all_valid=all_valid, row_scaled=reduction == "none", elt=hidden.element_size(),
                                 mem_budget=budget)
         r = min(r, max(n_valid, 1))
-        ctx.targets = _Targets.before_gemms(y_valid, idx, all_valid, eps, any(ctx.needs_input_grad[:2]))
+        ctx.targets = _Targets.of(scan, eps, any(ctx.needs_input_grad[:2]))
+        # the lean slab depends on n_valid: its bounds are this path's second host sync, still before any GEMM
         ctx.bounds = ctx.targets.slab_bounds(v, v_s) if ctx.targets is not None and ctx.needs_input_grad[1] else None
         lse, loss_rows, tgt, m, inv_s = _lean_forward(hidden, w_full, idx, y_valid, all_valid, softcap, eps, v_s, r)
         ctx.save_for_backward(hidden, w_full, idx, y_valid, m, inv_s, tgt)
@@ -640,13 +636,13 @@ class _FastFLCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, cfg):
-        ignore_index, reduction, softcap, eps, chunk_rows, frozen = cfg
+        scan, reduction, softcap, eps, chunk_rows, frozen = cfg
         n, h = hidden.shape
         v = weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w_shape = weight.shape
         weight, col0 = _full_weight(weight, frozen)
-        idx, n_valid, all_valid, y_valid = _valid_rows(labels, ignore_index)
+        idx, n_valid, all_valid, y_valid = scan.idx, scan.n_valid, scan.all_valid, scan.y_valid
         dtype = ctx.dtype = hidden.dtype
         S = _dz_scale(dtype)
         dh_raw = torch.empty(n_valid, h, device=hidden.device, dtype=torch.float32) if need_h else None
@@ -655,7 +651,7 @@ class _FastFLCE(torch.autograd.Function):
         loss_rows = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         tgt = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         c = max(1, min(n_valid, chunk_rows))
-        targets = _Targets.before_gemms(y_valid, idx, all_valid, eps, need_h or need_w)
+        targets = _Targets.of(scan, eps, need_h or need_w)
         wt = weight.t()
         z_buf = torch.empty(c, v, device=hidden.device, dtype=torch.float32) if n_valid else None
         for s0 in range(0, n_valid, c):
@@ -713,11 +709,11 @@ class _FastFLCE(torch.autograd.Function):
         return dh, dw, None, None
 
 
-def _forward_only(hidden, weight, labels, ignore_index, reduction, softcap, eps, mem_budget, frozen=None):
+def _forward_only(hidden, weight, scan, reduction, softcap, eps, mem_budget, frozen=None):
     weight = _full_weight(weight, frozen)[0]
     n, h = hidden.shape
     v = weight.shape[0]
-    idx, n_valid, all_valid, y_valid = _valid_rows(labels, ignore_index)
+    idx, n_valid, all_valid, y_valid = scan.idx, scan.n_valid, scan.all_valid, scan.y_valid
     if isinstance(mem_budget, tuple):
         v_s, r = mem_budget
     else:
@@ -727,11 +723,12 @@ def _forward_only(hidden, weight, labels, ignore_index, reduction, softcap, eps,
     return _outputs(loss_rows, lse, idx, n, all_valid, reduction)
 
 
-def _stored_fits(labels, ignore_index, weight, elt, tiles) -> bool:  # (called with gradients on)
+
+
+def _stored_fits(scan, weight, elt, tiles) -> bool:  # (called with gradients on)
     from .triton_rows import stored_fits
 
-    return tiles is not None or stored_fits(int((labels != ignore_index).sum()), weight.shape[0], elt,
-                                            need_w=weight.requires_grad)
+    return tiles is not None or stored_fits(scan.n_valid, weight.shape[0], elt, need_w=weight.requires_grad)
 
 
 def fused_linear_cross_entropy_triton(
@@ -749,8 +746,8 @@ def fused_linear_cross_entropy_triton(
     fast: bool = False,
     frozen_weight: torch.Tensor | None = None,
 ):
-    """Triton backend of :func:`llamafactory_liger_fsdp.ops.fused_linear_cross_entropy` (labels
-    must already be checked; ``frozen_weight`` as there). ``tiles=(c, v_s, R)`` overrides the planning (``c``: fast path row
+    """Triton backend of :func:`llamafactory_liger_fsdp.ops.fused_linear_cross_entropy` (``frozen_weight`` as there;
+    labels outside ``[0, V)`` raise its ``ValueError`` from :func:`.labels.scan_labels`, the call's one host sync). ``tiles=(c, v_s, R)`` overrides the planning (``c``: fast path row
     chunk; ``(v_s, R)``: lean tiles) so tests reach every loop path.
 
     Without a gradient to compute (grad mode off, or neither input requires grad) only the
@@ -760,20 +757,29 @@ def fused_linear_cross_entropy_triton(
         hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
         frozen = None if frozen_weight is None else frozen_weight.detach().contiguous()
         lean_tiles = mem_budget if tiles is None else (tiles[1], tiles[2])
-        if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
-            loss, lse = _forward_only(hidden, weight, labels, ignore_index, reduction, softcap, eps, lean_tiles, frozen)
-        elif fast and reduction == "none" and _stored_fits(labels, ignore_index, weight, hidden.element_size(), tiles):
+        grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        v = weight.shape[0]
+        # the per-row path's dW slab is known now, so its slab bounds join the one host sync
+        rows_slab = None
+        if grads and fast and reduction == "none" and weight.requires_grad:
+            from .triton_rows import dw_slab
+
+            rows_slab = dw_slab(tiles)
+        scan = scan_labels(labels, v, ignore_index, want_sorted=grads and _Targets.wanted(eps, True), slab=rows_slab)
+        if not grads:
+            loss, lse = _forward_only(hidden, weight, scan, reduction, softcap, eps, lean_tiles, frozen)
+        elif fast and reduction == "none" and _stored_fits(scan, weight, hidden.element_size(), tiles):
             from .triton_rows import stored_dz_flce
 
-            loss, lse = stored_dz_flce(hidden, weight, labels, ignore_index, softcap, eps, tiles, frozen)
+            loss, lse = stored_dz_flce(hidden, weight, labels, scan, softcap, eps, tiles, frozen)
         elif fast and reduction != "none":
             if tiles is None:
-                cap = FAST_CHUNK_MAX_BYTES // (4 * weight.shape[0])
+                cap = FAST_CHUNK_MAX_BYTES // (4 * v)
                 chunk_rows = max(16, min(FAST_CHUNK_ROWS, cap // 16 * 16))
             else:
                 chunk_rows = tiles[0]
-            loss, lse = _FastFLCE.apply(hidden, weight, labels, (ignore_index, reduction, softcap, eps, chunk_rows, frozen))
+            loss, lse = _FastFLCE.apply(hidden, weight, labels, (scan, reduction, softcap, eps, chunk_rows, frozen))
         else:
-            loss, lse = _LeanFLCE.apply(hidden, weight, labels, (ignore_index, reduction, softcap, eps, lean_tiles, frozen))
+            loss, lse = _LeanFLCE.apply(hidden, weight, labels, (scan, reduction, softcap, eps, lean_tiles, frozen))
     return (loss, lse) if return_lse else loss
 

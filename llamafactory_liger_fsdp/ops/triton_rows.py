@@ -32,24 +32,24 @@ def default_chunk(v: int) -> int:
 class _StoredDzFLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, cfg):
-        ignore_index, softcap, eps, chunk_rows, v_s, frozen = cfg
+        scan, softcap, eps, chunk_rows, v_s, frozen = cfg
         n, h = hidden.shape
         v = weight.shape[0]
         dev = hidden.device
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w_shape = weight.shape
         weight, col0 = tf._full_weight(weight, frozen)
-        idx, n_valid, all_valid, y_valid = tf._valid_rows(labels, ignore_index)
+        idx, n_valid, all_valid, y_valid = scan.idx, scan.n_valid, scan.all_valid, scan.y_valid
         dtype = hidden.dtype
         S = tf._dz_scale(dtype)
         dz_all = torch.empty(n_valid if need_w else 0, v, device=dev, dtype=dtype)  # a frozen head keeps none
         dh_raw = torch.empty(n_valid, h, device=dev, dtype=torch.float32) if need_h else None
         lse, loss_rows, tgt = (torch.empty(n_valid, device=dev, dtype=torch.float32) for _ in range(3))
         c = max(1, min(n_valid, chunk_rows))
-        # the target term's index (one host sync) before any GEMM is queued
-        targets = tf._Targets.before_gemms(y_valid, idx, all_valid, eps, need_h or need_w)
+        # the target term's index and slab bounds: from the call's one host sync, before any GEMM is queued
+        targets = tf._Targets.of(scan, eps, need_h or need_w)
         ctx.targets = targets
-        ctx.bounds = targets.slab_bounds(v, v_s) if targets is not None and need_w else None
+        ctx.bounds = scan.bounds if targets is not None and need_w else None
         z_buf = torch.empty(c, v, device=dev, dtype=torch.float32) if n_valid else None
         for s0 in range(0, n_valid, c):
             rows = slice(s0, s0 + c)
@@ -123,9 +123,14 @@ def _dw(hidden, dz_all, tgt, idx, c, all_valid, S, softcap, eps, v_s, ctx):
     return dw
 
 
-def stored_dz_flce(hidden, weight, labels, ignore_index, softcap, eps, tiles, frozen=None):
-    """(per-row loss [N], lse [N]); ``tiles=(c, v_s, _)`` overrides the row chunk and the dW slab (tests);
-    ``frozen``: the weight's frozen columns, first (see ``triton_flce._full_weight``)."""
-    v = weight.shape[0]
-    c, v_s = (default_chunk(v), tf.MAX_SLAB * 2) if tiles is None else (tiles[0], tiles[1])
-    return _StoredDzFLCE.apply(hidden, weight, labels, (ignore_index, softcap, eps, c, max(1, v_s), frozen))
+def dw_slab(tiles) -> int:
+    """The vocabulary slab of backward's dW GEMMs (``tiles=(c, v_s, _)`` overrides it in tests)."""
+    return tf.MAX_SLAB * 2 if tiles is None else max(1, tiles[1])
+
+
+def stored_dz_flce(hidden, weight, labels, scan, softcap, eps, tiles, frozen=None):
+    """(per-row loss [N], lse [N]); ``scan``: :func:`.labels.scan_labels` with this path's :func:`dw_slab`;
+    ``tiles=(c, v_s, _)`` overrides the row chunk and the dW slab (tests); ``frozen``: the weight's frozen columns,
+    first (see ``triton_flce._full_weight``)."""
+    c = default_chunk(weight.shape[0]) if tiles is None else tiles[0]
+    return _StoredDzFLCE.apply(hidden, weight, labels, (scan, softcap, eps, c, dw_slab(tiles), frozen))
