@@ -106,6 +106,33 @@ def test_grad_output_rounded_once(backend):
         assert rel(got, ref) <= 1.05 * rel(ref.to(torch.bfloat16), ref)
 
 
+@pytest.mark.parametrize("softcap,eps", [(None, 0.0), (2.5, 0.1)])
+def test_statistics_pass_against_torch(softcap, eps):
+    """``_chunk_stats`` (one exp per logit, the target logit loaded once per row) against torch in float64 on rows
+    that stress the running max: the max first, last, repeated (ties), a huge spread, one column past a block, a
+    constant row; labels at both ends of the vocabulary."""
+    g = torch.Generator().manual_seed(11)
+    v = 2049  # one column past the interpreter's 2048-wide block
+    z = torch.randn(6, v, generator=g, dtype=torch.float64) * 4
+    z[0, 0] = 60.0  # max in the first column
+    z[1, -1] = 60.0  # max in the last
+    z[2, ::7] = 9.0  # the max repeated
+    z[3] = torch.linspace(-500, 80, v, dtype=torch.float64)  # exp underflows over most of the row
+    z[4] = 1.5  # constant
+    z = z.float()
+    y = torch.tensor([0, v - 1, 7, 1000, 3, 2048])
+    m, s, t, zs = triton_flce._chunk_stats(z, y, softcap, eps)
+    zc = z.double() if softcap is None else softcap * torch.tanh(z.double() / softcap)
+    ref_m = zc.max(dim=1).values
+    assert rel(m, ref_m) <= 1e-7
+    assert rel(torch.log(s.double()) + m.double(), torch.logsumexp(zc, dim=1)) <= 1e-7
+    assert rel(t, zc[torch.arange(6), y]) <= 1e-7
+    if eps:
+        assert rel(zs, zc.sum(dim=1)) <= 1e-6
+    else:
+        assert zs is None
+
+
 def test_no_ignored_and_single_row():
     for n in (1, 17):
         h, w, y = inputs(n, 16, 33, torch.float32, ignore=0.0)

@@ -75,7 +75,11 @@ def _stats_kernel(
 ):
     """Per row of fp32 logits ``z`` over one column split: max, sum exp(z - max), the target
     logit (if the label falls in these columns) and the sum of logits (if SMOOTH). ACCUMULATE
-    (one split) folds them into running values at ``[row]``; else they go to ``[row, split]``."""
+    (one split) folds them into running values at ``[row]``; else they go to ``[row, split]``.
+
+    One exp per logit: each lane keeps its running max ``m`` and sum ``s``; with ``e = exp(-|z - m|)`` a new max
+    gives ``s e + 1`` and any other value ``s + e`` -- bitwise the textbook ``s exp(m - m') + exp(z - m')``, whose
+    second exp is ``exp(0)`` or whose first is ``exp(0)``. The target logit is one load per row after the loop."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
     split = tl.program_id(1)
@@ -85,7 +89,6 @@ def _stats_kernel(
     y = tl.load(y_ptr + rows, mask=rmask, other=-1) - col_offset
     m = tl.full((BLOCK_R, BLOCK), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_R, BLOCK), tl.float32)
-    t = tl.zeros((BLOCK_R, BLOCK), tl.float32)
     zs = tl.zeros((BLOCK_R, BLOCK), tl.float32)
     for off in range(start, stop, BLOCK):
         cols = off + tl.arange(0, BLOCK)
@@ -93,18 +96,20 @@ def _stats_kernel(
         z = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
             z, _ = _softcap(z, softcap)
-        t += tl.where(mask & (cols[None, :] == y[:, None]), z, 0.0)
         if SMOOTH:
             zs += tl.where(mask, z, 0.0)
         zm = tl.where(mask, z, float("-inf"))
-        m_new = tl.maximum(m, zm)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf)
-        s = s * tl.exp(m - m_safe) + tl.where(mask, tl.exp(zm - m_safe), 0.0)
-        m = m_new
+        e = tl.exp(-tl.abs(zm - m))  # NaN only where both are -inf: a masked lane before any value, kept as is
+        s = tl.where(zm > m, s * e + 1.0, tl.where(mask, s + e, s))
+        m = tl.maximum(m, zm)
     m_row = tl.max(m, axis=1)
     safe = tl.where(m_row == float("-inf"), 0.0, m_row)
     s_row = tl.sum(s * tl.exp(m - safe[:, None]), axis=1)
-    t_row = tl.sum(t, axis=1)
+    hit = rmask & (y >= start) & (y < stop)
+    zy = tl.load(base + tl.where(hit, y, 0)[:, None], mask=hit[:, None], other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        zy, _ = _softcap(zy, softcap)
+    t_row = tl.sum(tl.where(hit[:, None], zy, 0.0), axis=1)
     zs_row = tl.sum(zs, axis=1)
     if ACCUMULATE:
         m_old = tl.load(m_ptr + rows, mask=rmask, other=0.0)
