@@ -63,7 +63,7 @@ def scan_labels(labels: torch.Tensor, v: int, ignore_index: int, *, want_sorted:
         first &= keys < v
         facts.append(first.sum())
         if slab:
-            edges = torch.arange(0, v + slab, slab, device=labels.device)
+            edges = torch.arange(0, v + slab, slab, device=labels.device, dtype=keys.dtype)
             below = torch.searchsorted(keys, edges)  # keys below each edge
             distinct = torch.zeros(keys.numel() + 1, device=labels.device, dtype=torch.int64)
             torch.cumsum(first, 0, out=distinct[1:])  # distinct labels among the first k keys
