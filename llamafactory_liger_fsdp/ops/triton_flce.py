@@ -728,8 +728,6 @@ def _forward_only(hidden, weight, scan, reduction, softcap, eps, mem_budget, fro
     return _outputs(loss_rows, lse, idx, n, all_valid, reduction)
 
 
-
-
 def _stored_fits(scan, weight, elt, tiles) -> bool:  # (called with gradients on)
     from .triton_rows import stored_fits
 
@@ -752,8 +750,9 @@ def fused_linear_cross_entropy_triton(
     frozen_weight: torch.Tensor | None = None,
 ):
     """Triton backend of :func:`llamafactory_liger_fsdp.ops.fused_linear_cross_entropy` (``frozen_weight`` as there;
-    labels outside ``[0, V)`` raise its ``ValueError`` from :func:`.labels.scan_labels`, the call's one host sync). ``tiles=(c, v_s, R)`` overrides the planning (``c``: fast path row
-    chunk; ``(v_s, R)``: lean tiles) so tests reach every loop path.
+    labels outside ``[0, V)`` raise its ``ValueError`` from :func:`.labels.scan_labels`, the call's one host sync).
+    ``tiles=(c, v_s, R)`` overrides the planning (``c``: fast path row chunk; ``(v_s, R)``: lean tiles) so tests reach
+    every loop path.
 
     Without a gradient to compute (grad mode off, or neither input requires grad) only the
     forward runs (lean tiles, ``2 N_v H V`` flops, no gradient buffers), for both variants."""
