@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .labels import label_error
+from .labels import label_error, out_of_range
 from .torch_flce import fused_linear_cross_entropy_torch
 
 BACKENDS = ("torch", "triton", "triton_fast")
@@ -41,7 +41,7 @@ def check_labels(labels: torch.Tensor, v: int, ignore_index: int = -100) -> None
     """Raise one ``ValueError`` naming the first label outside ``[0, v)`` that is not ``ignore_index``
     (a device-side gather would assert instead, leaving the CUDA context unusable). The Triton backends make the same
     check inside their one host sync (:func:`.labels.scan_labels`)."""
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= v))
+    bad = out_of_range(labels, v, labels != ignore_index)
     if bool(bad.any()):
         raise label_error(labels, v, ignore_index, bad)
 

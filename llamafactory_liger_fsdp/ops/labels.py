@@ -40,6 +40,11 @@ class LabelScan:
     bounds: list[int] | None = None
 
 
+def out_of_range(labels: torch.Tensor, v: int, valid: torch.Tensor) -> torch.Tensor:
+    """The labelled rows (``valid``) whose label lies outside ``[0, V)``."""
+    return valid & ((labels < 0) | (labels >= v))
+
+
 def label_error(labels: torch.Tensor, v: int, ignore_index: int, bad: torch.Tensor) -> ValueError:
     """The one error for labels outside ``[0, V)`` that are not ``ignore_index`` (``bad`` marks them)."""
     first = int(labels[bad.nonzero()[0, 0]])
@@ -54,7 +59,7 @@ def scan_labels(labels: torch.Tensor, v: int, ignore_index: int, *, want_sorted:
                 slab: int | None = None) -> LabelScan:
     """The labels' facts (see :class:`LabelScan`) with one host sync; raises :func:`label_error` for a bad label."""
     valid = labels != ignore_index
-    bad = valid & ((labels < 0) | (labels >= v))
+    bad = out_of_range(labels, v, valid)
     facts = [bad.sum(), valid.sum()]
     if want_sorted:
         keys, order = torch.sort(torch.where(valid, labels, v), stable=True)  # the ignored rows last

@@ -539,7 +539,7 @@ def _full_weight(weight: torch.Tensor, frozen: torch.Tensor | None) -> tuple[tor
 
 class _LeanFLCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, cfg):
+    def forward(ctx, hidden, weight, cfg):  # the labels come in as their scan
         scan, reduction, softcap, eps, budget, frozen = cfg
         n, h = hidden.shape
         v = weight.shape[0]
@@ -567,7 +567,7 @@ class _LeanFLCE(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_lse):
         with torch.autocast(device_type=ctx.saved_tensors[0].device.type, enabled=False):
             dh, dw = _lean_backward(ctx, grad_loss)
-        return dh, dw, None, None
+        return dh, dw, None
 
 
 def _lean_backward(ctx, grad_loss):
@@ -640,7 +640,7 @@ class _FastFLCE(torch.autograd.Function):
     ``grad_output / n_valid`` (fp32) and rounds once."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, cfg):
+    def forward(ctx, hidden, weight, cfg):  # the labels come in as their scan
         scan, reduction, softcap, eps, chunk_rows, frozen = cfg
         n, h = hidden.shape
         v = weight.shape[0]
@@ -700,18 +700,18 @@ class _FastFLCE(torch.autograd.Function):
         idx = saved.pop()
         dw_raw = saved.pop() if need_w and idx.numel() else None
         if grad_loss is None:
-            return None, None, None, None
+            return None, None, None
         n_valid = int(idx.numel())
         if n_valid == 0:  # nothing labelled: zero gradients whatever grad_output is (sum / 0 gives inf)
             return (torch.zeros(n, ctx.h, device=idx.device, dtype=ctx.dtype) if need_h else None), (
-                torch.zeros(ctx.w_shape, device=idx.device, dtype=ctx.dtype) if need_w else None), None, None
+                torch.zeros(ctx.w_shape, device=idx.device, dtype=ctx.dtype) if need_w else None), None
         scale = grad_loss.float() / (S * (max(n_valid, 1) if reduction == "mean" else 1))
         dh = dw = None
         if dw_raw is not None:
             dw = _scale_cast(dw_raw, scale, torch.empty(dw_raw.shape, device=dw_raw.device, dtype=ctx.dtype))
         if dh_raw is not None:
             dh = _scaled_rows(dh_raw, scale, idx, all_valid, n, ctx.dtype)
-        return dh, dw, None, None
+        return dh, dw, None
 
 
 def _forward_only(hidden, weight, scan, reduction, softcap, eps, mem_budget, frozen=None):
@@ -775,15 +775,15 @@ def fused_linear_cross_entropy_triton(
         elif fast and reduction == "none" and _stored_fits(scan, weight, hidden.element_size(), tiles):
             from .triton_rows import stored_dz_flce
 
-            loss, lse = stored_dz_flce(hidden, weight, labels, scan, softcap, eps, tiles, frozen)
+            loss, lse = stored_dz_flce(hidden, weight, scan, softcap, eps, tiles, frozen)
         elif fast and reduction != "none":
             if tiles is None:
                 cap = FAST_CHUNK_MAX_BYTES // (4 * v)
                 chunk_rows = max(16, min(FAST_CHUNK_ROWS, cap // 16 * 16))
             else:
                 chunk_rows = tiles[0]
-            loss, lse = _FastFLCE.apply(hidden, weight, labels, (scan, reduction, softcap, eps, chunk_rows, frozen))
+            loss, lse = _FastFLCE.apply(hidden, weight, (scan, reduction, softcap, eps, chunk_rows, frozen))
         else:
-            loss, lse = _LeanFLCE.apply(hidden, weight, labels, (scan, reduction, softcap, eps, lean_tiles, frozen))
+            loss, lse = _LeanFLCE.apply(hidden, weight, (scan, reduction, softcap, eps, lean_tiles, frozen))
     return (loss, lse) if return_lse else loss
 

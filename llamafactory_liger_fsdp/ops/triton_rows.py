@@ -31,7 +31,7 @@ def default_chunk(v: int) -> int:
 
 class _StoredDzFLCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, cfg):
+    def forward(ctx, hidden, weight, cfg):  # the labels come in as their scan
         scan, softcap, eps, chunk_rows, v_s, frozen = cfg
         n, h = hidden.shape
         v = weight.shape[0]
@@ -84,17 +84,17 @@ class _StoredDzFLCE(torch.autograd.Function):
         hidden, dz_all, tgt, idx, *rest = ctx.saved_tensors
         need_h, need_w, all_valid, n, S, softcap, eps, v_s, col0 = ctx.cfg
         if grad_loss is None:
-            return None, None, None, None
+            return None, None, None
         n_valid = int(idx.numel())
         dtype = hidden.dtype
         if n_valid == 0:
             return (torch.zeros_like(hidden) if need_h else None), (
-                torch.zeros(ctx.w_shape, device=hidden.device, dtype=dtype) if need_w else None), None, None
+                torch.zeros(ctx.w_shape, device=hidden.device, dtype=dtype) if need_w else None), None
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             c = tf._row_coefficients(grad_loss, idx, all_valid, "none", n_valid)
             dh = tf._scaled_rows(rest[0], c / S, idx, all_valid, n, dtype) if need_h else None
             dw = _dw(hidden[:, col0:], dz_all, tgt, idx, c, all_valid, S, softcap, eps, v_s, ctx) if need_w else None
-        return dh, dw, None, None
+        return dh, dw, None
 
 
 def _dw(hidden, dz_all, tgt, idx, c, all_valid, S, softcap, eps, v_s, ctx):
@@ -128,9 +128,9 @@ def dw_slab(tiles) -> int:
     return tf.MAX_SLAB * 2 if tiles is None else max(1, tiles[1])
 
 
-def stored_dz_flce(hidden, weight, labels, scan, softcap, eps, tiles, frozen=None):
+def stored_dz_flce(hidden, weight, scan, softcap, eps, tiles, frozen=None):
     """(per-row loss [N], lse [N]); ``scan``: :func:`.labels.scan_labels` with this path's :func:`dw_slab`;
     ``tiles=(c, v_s, _)`` overrides the row chunk and the dW slab (tests); ``frozen``: the weight's frozen columns,
     first (see ``triton_flce._full_weight``)."""
     c = default_chunk(weight.shape[0]) if tiles is None else tiles[0]
-    return _StoredDzFLCE.apply(hidden, weight, labels, (scan, softcap, eps, c, dw_slab(tiles), frozen))
+    return _StoredDzFLCE.apply(hidden, weight, (scan, softcap, eps, c, dw_slab(tiles), frozen))
