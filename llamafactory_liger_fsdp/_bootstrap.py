@@ -4,9 +4,11 @@
 ``pip install -e .``) imports this module in *every* Python process of the environment: the
 ``llamafactory-cli`` parent, the torchrun workers it starts with ``FORCE_TORCHRUN=1`` and
 ``accelerate launch`` workers. So this module must stay cheap and must never break start-up:
-it imports nothing heavy (no torch) and only puts a finder on ``sys.meta_path``.
+it imports nothing but :mod:`.hooked` (names) and only puts a finder on ``sys.meta_path``: ``python -c pass``
+costs about what it costs without the plugin (``bench/hook_cost.py``; ``tests/test_bootstrap.py`` checks what it
+imports).
 
-The finder waits for the two LLaMA-Factory modules that the plugin hooks, and right after
+The finder waits for the LLaMA-Factory modules that the plugin hooks (:mod:`.hooked`), and right after
 each one has executed (and *before* any ``from .loader import load_model`` elsewhere binds the
 name) hands it to :func:`llamafactory_liger_fsdp.integration.on_module_loaded`, which patches it.
 Nothing is patched in a process that never imports LLaMA-Factory.
@@ -20,24 +22,20 @@ With ``LLAMAFACTORY_LIGER_FSDP_DISABLE=1`` the hook stays (so yamls that name ``
 parse) but the plugin is off: the keys are accepted and ignored, one log line says so.
 """
 
-from __future__ import annotations
-
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 
-# LLaMA-Factory modules the plugin hooks, patched right after they execute (integration.HOOKED_MODULES).
-HOOKED_MODULES = ("llamafactory.hparams.parser", "llamafactory.model.loader", "llamafactory.launcher")
+from .hooked import MODULES as HOOKED_MODULES
 
 #: True once the finder is on ``sys.meta_path`` in this process (read by ``doctor``).
 ACTIVE = False
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    """Delegates to the real loader, then lets the integration patch the fresh module."""
+class _PatchingLoader:
+    """Delegates to the real loader, then lets the integration patch the fresh module. (A plain class: ``importlib.abc``
+    would import ``importlib.resources``, ``pathlib``, ``tempfile`` and ``re`` into every Python process.)"""
 
-    def __init__(self, inner: importlib.abc.Loader):
+    def __init__(self, inner):
         self._inner = inner
 
     def create_module(self, spec):
@@ -53,7 +51,9 @@ class _PatchingLoader(importlib.abc.Loader):
         return getattr(self._inner, name)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
+    """A ``sys.meta_path`` finder that answers only for :data:`HOOKED_MODULES`."""
+
     def find_spec(self, fullname, path, target=None):
         if fullname not in HOOKED_MODULES:
             return None
@@ -76,7 +76,7 @@ def install() -> bool:
     ACTIVE = True
     # Modules already imported before the hook (rare: an interactive session that imported the
     # plugin late) are patched now.
-    already = [name for name in HOOKED_MODULES if name in sys.modules]
+    already = sorted(name for name in HOOKED_MODULES if name in sys.modules)
     if already:
         from llamafactory_liger_fsdp import integration
 

@@ -27,8 +27,8 @@ KEYS = {
     "rounding.",
     "liger_fsdp_checkpoint_repair": "true/false (default true): under FSDP2 with an adapter, save and load the "
     "adapter as full tensors where the installed accelerate (< 1.15) writes rank 0's shards only.",
-    "liger_fsdp_allow_untested_versions": "true/false (default false): run with installed versions outside the "
-    "tested ranges (llamafactory_liger_fsdp/versions.py) instead of stopping with the list of them.",
+    "liger_fsdp_allow_untested_versions": "no longer needed (accepted so older yamls parse): versions newer than "
+    "tested train by default, with one line naming them and the first-step guard checking the loss.",
 }
 BACKENDS = ("auto", "triton", "triton_fast", "torch")
 ATTR = "liger_fsdp_config"
@@ -53,7 +53,6 @@ class LigerFsdpConfig:
     memory_report: bool = False
     checkpoint_repair: bool = True
     guard: bool = True
-    allow_untested_versions: bool = False
     sharding: Any = None  # sharding.Sharding, set once the training arguments are parsed
     start_step: int = 0  # the global step a resumed run starts from (trainer_state.json of its checkpoint)
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -109,7 +108,6 @@ def from_mapping(values: dict[str, Any]) -> LigerFsdpConfig:
         memory_report=bools.get("liger_fsdp_memory_report", False),
         checkpoint_repair=bools.get("liger_fsdp_checkpoint_repair", True),
         guard=bools.get("liger_fsdp_guard", True),
-        allow_untested_versions=bools.get("liger_fsdp_allow_untested_versions", False),
     )
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from ._log import info_rank0, rank
+from . import versions
 from .config import LigerFsdpConfigError, LigerFsdpDataError
 from .fp32_head import Fp32Head
 
@@ -215,14 +216,20 @@ def check(causal_lm, family, original, signature, fused, params: dict, extra: di
     (mismatch,) = _all_max([float(bad)], labels.device)
     if mismatch:
         if not bad:
-            text = f"this rank's slice agreed ({text}); another rank's did not (see its error)"
+            mine = "this rank's slice was not checked (no labelled position in it)" if not n else \
+                f"this rank's slice agreed ({text})"
+            text = f"{mine}; another rank's did not (see its error)"
+        newer = versions.untested()
+        fix = (f"Installed versions newer than tested: {', '.join(newer)}; a newer library may have changed what the "
+               "loss sees. Fix: install the tested versions (README, \"Supported versions\"), or remove `liger_fsdp`, "
+               "and report this line" if newer else "Fix: remove `liger_fsdp` for this model and report this line "
+               "with your transformers version")
         raise LigerFsdpConfigError(
             f"`liger_fsdp_guard`: on step {step} the fused loss is not the model's own for model type "
             f"`{family.model_type}` ({type(causal_lm).__name__}), rank {rank()}: "
             f"{text}. A quirk of this model (logit scale, softcap, loss "
-            "variant, aux loss, head) is not reproduced, so training would optimise another objective. Fix: remove "
-            "`liger_fsdp` for this model and report this line with your transformers version (`liger_fsdp_guard: "
-            "false` skips the check)."
+            f"variant, aux loss, head) is not reproduced, so training would optimise another objective. {fix} "
+            "(`liger_fsdp_guard: false` skips the check)."
         )
     info_rank0(f"[liger_fsdp] guard: step {step} {text}.")
     return True

@@ -32,8 +32,15 @@ _STAGE_WHY = {
 _LOGIT_LOSSES = ("use_dft_loss", "use_eaft_loss", "use_asft_loss")
 _REPLACED = {
     "use_unsloth": "unsloth replaces the model's forward and loss",
-    "use_mca": "Megatron-Core (mcore_adapter) builds its own model and loss, so there is no Hugging Face head to fuse",
     "use_kt": "KTransformers replaces the model's modules and forward",
+    "use_hyper_parallel": "HyperParallel shards the model with its own tensor/context parallelism and trainer, which "
+                          "the plugin does not gather through",
+}
+#: Environment switches of LLaMA-Factory that train without its `load_model` (the plugin would never engage).
+_ENGINES = {
+    "USE_MCA": "Megatron-Core (mcore_adapter) builds its own model and loss, so there is no Hugging Face head to fuse",
+    "USE_MEGATRON_BRIDGE": "Megatron-Bridge converts the model and trains it with Megatron's own loss; LLaMA-Factory's "
+                           "load_model, where the plugin engages, never runs",
 }
 
 
@@ -86,6 +93,10 @@ def elsewhere():
 def machine_problem(cfg: Any) -> str | None:
     """What this machine cannot run (checked where the ranks start, reported apart by ``doctor``)."""
     backend = getattr(cfg, "backend", "auto")
+    for entry in versions.broken(backend):
+        found = ", ".join(f"{name} {versions.installed(name)}" for name, _ in entry.match)
+        return (f"`liger_fsdp_backend: {backend}` cannot run with {found}: {entry.reason}. Fix: {entry.fix}; or set "
+                "`liger_fsdp_backend: auto`.")
     if backend in ("triton", "triton_fast"):
         import torch
 
@@ -101,7 +112,7 @@ def check(get: Callable[[str, Any], Any], sharding: Any = None, cfg: Any = None,
 
     ``sharding`` (the decided :class:`.sharding.Sharding`) is there for rules that depend on it; every sharding
     the plugin knows (none, DDP, FSDP1/2, DeepSpeed ZeRO-0..3) is supported today. ``cfg`` (the plugin's keys): the
-    tested versions and, with ``machine``, what this machine cannot run."""
+    installed versions (:mod:`.versions`: too old is refused) and, with ``machine``, what this machine cannot run."""
     stage = str(get("stage", "sft"))
     if stage not in SUPPORTED_STAGES:
         why = _STAGE_WHY.get(stage, "its loss is not the plain causal-LM loss")
@@ -121,15 +132,22 @@ def check(get: Callable[[str, Any], Any], sharding: Any = None, cfg: Any = None,
                 f"`liger_fsdp: true` does not work with `{key}: true`: {why}. Fix: set `{key}: false` or remove "
                 "`liger_fsdp`."
             )
-    _head_variant(get)
-    if cfg is not None and not cfg.allow_untested_versions:
-        outside = versions.untested()
-        if outside:
+    for var, why in _ENGINES.items():
+        key = var.lower()
+        if _flag(os.environ.get(var, "")) or _flag(get(key, False)):
             raise LigerFsdpConfigError(
-                f"`liger_fsdp: true` was not tested with {', '.join(outside)}; the model families' quirks and the "
-                "patch points were read off the tested versions. Fix: install versions in the tested ranges "
-                "(pyproject.toml), or set `liger_fsdp_allow_untested_versions: true` to run anyway (the first-step "
-                "guard still compares the loss with the model's own)."
+                f"`liger_fsdp: true` does not work with {var}=1 (`{key}`): {why}. Fix: unset {var} to train with "
+                "LLaMA-Factory's default engine, or remove `liger_fsdp`."
+            )
+    _head_variant(get)
+    if cfg is not None:
+        old = versions.too_old()
+        if old:
+            upgrade = " ".join(f"'{o.split()[0]}>={versions.MINIMUM[o.split()[0]]}'" for o in old)
+            raise LigerFsdpConfigError(
+                f"`liger_fsdp: true` needs newer releases than installed: {', '.join(old)}; the patch points, the loss "
+                f"function and the sharding types it works with are those of these releases on. Fix: "
+                f"pip install {upgrade}, or remove `liger_fsdp`."
             )
     problem = machine_problem(cfg) if cfg is not None and machine and not _ELSEWHERE[0] else None
     if problem:

@@ -1,32 +1,74 @@
-"""The versions the plugin was tested with, and which installed ones fall outside them.
+"""The version policy: which installed versions the plugin refuses, which it trains on, which it names as untested.
 
-``TESTED`` holds the same ranges as ``pyproject.toml``: LLaMA-Factory 0.9.5's own stack (transformers 5.6, peft 0.18,
-accelerate 1.11) with torch 2.11 and triton 3.6 (the README's CPU stack, ``scripts/test.sh``), what a plain
-``pip install llamafactory==0.9.5`` brings today (torch 2.14, triton 3.8: ``scripts/test_latest.sh``), and the GPU
-image's newer HF stack (transformers 5.17, peft 0.21, accelerate 1.15, where the kernel and parity tests ran).
-Outside them the family quirks (read off transformers 5.6) and the patch points may differ: the plugin stops once,
-before any rank starts, with the list, unless ``liger_fsdp_allow_untested_versions: true``. Imports no torch.
+Three answers for each distribution the plugin patches or whose code it reproduces (compared with
+``packaging.version``, the one place versions are compared):
+
+* older than :data:`MINIMUM` -- refused before any rank starts, naming the version and the upgrade (the patch points,
+  the loss function and the FSDP2/PEFT types the plugin recognises are those of these releases on);
+* a combination in :data:`BROKEN` -- refused with the reason;
+* newer than :data:`TESTED` -- trains; one line (rank 0) names what is untested, and the first-step guard, which
+  compares the fused loss with the model's own forward, stops the run with its message if a newer library changed
+  what the loss sees (the family quirks were read off transformers 5.6).
+
+``pyproject.toml`` states no ranges for these: installing the plugin never changes a user's stack (an old version is
+refused at run time with the fix instead of being replaced by pip). docs/design.md, "Versions". Imports no torch.
 """
 
 from __future__ import annotations
 
-import re
+import os
+from dataclasses import dataclass
 from importlib import metadata
+from typing import Callable
 
-#: distribution -> (lowest, highest) tested release, compared on the leading (major, minor[, patch]) numbers.
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+#: distribution -> the oldest release the plugin works with (refused below).
+MINIMUM = {
+    "torch": "2.11",
+    "triton": "3.6",
+    "transformers": "5.6",
+    "peft": "0.18",
+    "accelerate": "1.11",
+    "llamafactory": "0.9.5",
+}
+
+#: distribution -> the newest release tested (a plain ``X.Y`` covers every ``X.Y.z``). What CI runs: the pinned
+#: stack (torch 2.11, triton 3.6), ``pip install llamafactory==0.9.5`` as PyPI resolves it (torch 2.15, triton 3.9,
+#: numpy 2.4), LLaMA-Factory git main (0.9.6.dev0, transformers 5.8); the GPU image (transformers 5.17, peft 0.21,
+#: accelerate 1.15) in bench/run_h200.sh.
 TESTED = {
-    "torch": ("2.11", "2.14"),
-    "triton": ("3.6", "3.8"),
-    "transformers": ("5.6", "5.17"),
-    "peft": ("0.18", "0.21"),
-    "accelerate": ("1.11", "1.15"),
-    "llamafactory": ("0.9.5", "0.9.5"),
+    "torch": "2.15",
+    "triton": "3.9",
+    "transformers": "5.17",
+    "peft": "0.21",
+    "accelerate": "1.15",
+    "llamafactory": "0.9.6.dev0",
 }
 
 
-def _key(version: str, parts: int) -> tuple[int, ...]:
-    numbers = [int(x) for x in re.findall(r"\d+", version.split("+")[0])[:parts]]
-    return tuple(numbers + [0] * (parts - len(numbers)))
+@dataclass(frozen=True)
+class Broken:
+    """A combination of installed versions known to break (each ``(name, specifier)`` must match)."""
+
+    match: tuple[tuple[str, str], ...]
+    reason: str
+    fix: str
+    applies: Callable[[str], bool] = lambda backend: True  # given the run's `liger_fsdp_backend`
+
+
+def _interpreted(backend: str) -> bool:
+    return backend in ("triton", "triton_fast") and os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+#: Known breakages, refused with their reason.
+BROKEN = (
+    Broken((("triton", "<3.7"), ("numpy", ">=2.4")),
+           "triton < 3.7's interpreter (TRITON_INTERPRET=1, how the Triton kernels run on a CPU) fails on numpy >= 2.4 "
+           "('only 0-dimensional arrays can be converted to Python scalars') at the first kernel launch",
+           "pip install 'numpy<2.4' (or triton >= 3.7), or unset TRITON_INTERPRET", _interpreted),
+)
 
 
 def installed(name: str) -> str | None:
@@ -36,14 +78,63 @@ def installed(name: str) -> str | None:
         return None
 
 
-def untested(found: dict[str, str | None] | None = None) -> list[str]:
-    """``"name X (tested: lo-hi)"`` for every installed distribution outside its tested range."""
+def _parse(version: str) -> Version | None:
+    try:
+        return Version(version)
+    except InvalidVersion:
+        return None
+
+
+def _newer(version: Version, newest: str) -> bool:
+    top = Version(newest)
+    if top.is_prerelease or top.is_devrelease:
+        return version > top
+    return version.release[:len(top.release)] > top.release
+
+
+def _found(found: dict[str, str | None] | None, name: str) -> str | None:
+    return found.get(name) if found is not None else installed(name)
+
+
+def too_old(found: dict[str, str | None] | None = None) -> list[str]:
+    """``"torch 2.9.1 (needs >= 2.11)"`` for every installed distribution older than :data:`MINIMUM`."""
     out = []
-    for name, (lo, hi) in TESTED.items():
-        version = (found or {}).get(name) if found is not None else installed(name)
-        if version is None:
-            continue
-        parts = max(len(lo.split(".")), len(hi.split(".")))
-        if not _key(lo, parts) <= _key(version, parts) <= _key(hi, parts):
-            out.append(f"{name} {version} (tested: {lo}" + (f" to {hi})" if hi != lo else ")"))
+    for name, low in MINIMUM.items():
+        version = _found(found, name)
+        parsed = _parse(version) if version else None
+        if parsed is not None and parsed.release[:len(Version(low).release)] < Version(low).release:
+            out.append(f"{name} {version} (needs >= {low})")
     return out
+
+
+def broken(backend: str = "auto", found: dict[str, str | None] | None = None) -> list[Broken]:
+    """The entries of :data:`BROKEN` that match the installed versions (and apply to ``backend`` on this machine)."""
+    hits = []
+    for entry in BROKEN:
+        versions = [_found(found, name) for name, _ in entry.match]
+        if all(v is not None and _parse(v) is not None and SpecifierSet(spec).contains(_parse(v), prereleases=True)
+               for v, (_, spec) in zip(versions, entry.match)) and entry.applies(backend):
+            hits.append(entry)
+    return hits
+
+
+def untested(found: dict[str, str | None] | None = None) -> list[str]:
+    """``"torch 2.16.0 (tested up to 2.15)"`` for every installed distribution newer than :data:`TESTED`."""
+    out = []
+    for name, newest in TESTED.items():
+        version = _found(found, name)
+        parsed = _parse(version) if version else None
+        if parsed is not None and _newer(parsed, newest):
+            out.append(f"{name} {version} (tested up to {newest})")
+    return out
+
+
+def note(guard: bool, found: dict[str, str | None] | None = None) -> str | None:
+    """The one line a run on untested versions logs (rank 0), or None."""
+    newer = untested(found)
+    if not newer:
+        return None
+    check = ("the first-step guard compares the fused loss with the model's own forward and stops the run if they "
+             "differ" if guard else "`liger_fsdp_guard: false`: nothing checks the fused loss against the model's own "
+             "on these versions (remove that key to check step 1)")
+    return f"[liger_fsdp] untested versions: {', '.join(newer)}; training as usual, {check}."

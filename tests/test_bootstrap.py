@@ -23,6 +23,37 @@ def test_hook_active_without_torch():
     assert out == "True False"
 
 
+def test_hook_imports_nothing_at_start():
+    """The .pth line runs in every Python process of the environment (pip, linters, DataLoader workers): at start it
+    adds only the plugin's package, the hook and the hooked names -- no importlib.abc/resources, pathlib, re, torch.
+    (-X importtime lists each module imported after start-up began, indented under the import that caused it.)"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    tree = [line.split("|")[2] for line in proc.stderr.splitlines() if line.count("|") == 2 and "import time:" in line]
+    hook = next(i for i, name in enumerate(tree) if name.strip() == "llamafactory_liger_fsdp._bootstrap")
+    depth = len(tree[hook]) - len(tree[hook].lstrip())
+    under = []  # the modules imported inside the hook's import, listed before it at a deeper indent
+    for name in reversed(tree[:hook]):
+        if len(name) - len(name.lstrip()) <= depth:
+            break
+        under.append(name.strip())
+    assert set(under) <= {"llamafactory_liger_fsdp", "llamafactory_liger_fsdp.hooked"}, under
+
+
+def test_v1_engine_refused_before_any_rank(tmp_path):
+    """USE_V1=1 (LLaMA-Factory's v1 engine never calls load_model): refused in the launching process, key and fix."""
+    cfg = tmp_path / "v1.yaml"
+    cfg.write_text("model: whatever\nliger_fsdp: true\n")
+    cli = os.path.join(os.path.dirname(sys.executable), "llamafactory-cli")
+    proc = subprocess.run([cli, "sft", str(cfg)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, USE_V1="1", FORCE_TORCHRUN="1", NPROC_PER_NODE="2"))
+    assert proc.returncode == 1
+    last = (proc.stdout + proc.stderr).strip().splitlines()[-1]
+    assert last.startswith("[liger_fsdp] error: `liger_fsdp: true`") and "USE_V1" in last and "Fix: unset USE_V1" in last
+    assert "Initializing 2 distributed tasks" not in proc.stdout + proc.stderr
+
+
 def test_loader_and_reexports_patched():
     code = (
         "import llamafactory.model as m, llamafactory.model.loader as l, llamafactory.train.sft.workflow as w, "

@@ -135,10 +135,9 @@ def test_auto_resume_skips_incomplete(base, tmp_path, capsys):
     bad = _checkpoint(out / "checkpoint-6", state=False)
     _, _, training_args, *_ = _train_args(dict(base))  # LLaMA-Factory picks checkpoint-6 by itself
     assert training_args.resume_from_checkpoint == good
-    assert (
-        f"[liger_fsdp] resume: skipping incomplete {bad} (no trainer_state.json (the Trainer writes it last)); "
-        f"resuming from {good}" in capsys.readouterr().err
-    )
+    err = capsys.readouterr().err
+    assert f"[liger_fsdp] resume: {bad} is incomplete (no trainer_state.json (the Trainer writes it last)); skipped" in err
+    assert "resuming from" not in err  # LLaMA-Factory's own line names the checkpoint (test_e2e_checkpoints)
 
 
 def test_auto_resume_with_nothing_complete_refused(base, tmp_path):
@@ -158,15 +157,31 @@ def test_without_flag_nothing_changes(base, tmp_path):
     assert training_args.resume_from_checkpoint == bad  # LLaMA-Factory's own choice, untouched
 
 
-@pytest.mark.parametrize("key", ["use_mca", "use_kt"])
+@pytest.mark.parametrize("key", ["use_kt", "use_hyper_parallel", "use_mca", "use_megatron_bridge"])
 def test_incompatible_backends(key):
     from llamafactory_liger_fsdp import refusals
 
     parsed = {"model": SimpleNamespace(use_kt=key == "use_kt"),
-              "finetuning": SimpleNamespace(stage="sft", use_mca=key == "use_mca")}
+              "finetuning": SimpleNamespace(stage="sft", **{key: True})}
     with pytest.raises(LigerFsdpConfigError) as err:
         refusals.check_parsed(parsed)
-    names_key_and_fix(str(err.value), f"{key}: true", f"{key}: false")
+    if key in ("use_mca", "use_megatron_bridge"):  # set by LLaMA-Factory from USE_MCA / USE_MEGATRON_BRIDGE
+        names_key_and_fix(str(err.value), key, f"unset {key.upper()}", "remove `liger_fsdp`")
+    else:
+        names_key_and_fix(str(err.value), f"{key}: true", f"{key}: false")
+
+
+@pytest.mark.parametrize("var", ["USE_MCA", "USE_MEGATRON_BRIDGE"])
+def test_engines_that_never_call_load_model_refused_from_the_environment(var, monkeypatch, base):
+    """LLaMA-Factory's Megatron engines are switched on by the environment alone; the raw yaml check (the launching
+    process, before any rank starts) refuses them."""
+    from llamafactory_liger_fsdp import config, refusals
+
+    monkeypatch.setenv(var, "1")
+    with pytest.raises(LigerFsdpConfigError) as err:
+        refusals.check_raw(base, None, config.from_mapping({"liger_fsdp": True}))
+    names_key_and_fix(str(err.value), var.lower(), f"unset {var}")
+    assert "load_model" in str(err.value) or "own model and loss" in str(err.value)
 
 
 @pytest.mark.parametrize("version, patched", [("1.11.0", True), ("1.14.0", True), ("1.15.0", False), ("1.16.2", False)])

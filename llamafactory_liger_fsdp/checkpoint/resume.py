@@ -1,10 +1,11 @@
 """Never resume from a half-written checkpoint, and make FSDP2 adapter runs write their adapter.
 
-* :func:`check_resume` (parse time, after LLaMA-Factory chose what to resume from): the checkpoint must
-  be complete (:func:`incomplete`). An explicit ``resume_from_checkpoint`` that is not gets one clear
-  error; an incomplete one that LLaMA-Factory picked by itself from ``output_dir``
-  (``get_last_checkpoint`` takes the highest ``checkpoint-N`` whatever its state) is skipped for the
-  newest complete one, with one log line. "Complete" is decided from what each writer writes last
+* :func:`check_resume` (parse time): an explicit ``resume_from_checkpoint`` must be complete
+  (:func:`incomplete`), else one clear error. :func:`skip_incomplete` wraps the ``get_last_checkpoint`` that
+  LLaMA-Factory's parser calls to pick a checkpoint from ``output_dir`` by itself (it takes the highest
+  ``checkpoint-N`` whatever its state): an incomplete one is skipped for the newest complete one *before*
+  LLaMA-Factory logs its ``Resuming training from ...`` line, so that line names the right checkpoint and the
+  plugin's line only says what was skipped and why. "Complete" is decided from what each writer writes last
   (Trainer: ``trainer_state.json``; ``torch.save``: the zip directory; safetensors: header offsets =
   file size; DCP: ``.metadata``), so no file has to be read in full.
 * :func:`use_full_state_dict` (load time, with the flag on, whether or not the loss engages): an adapter run under
@@ -75,14 +76,6 @@ def resumed_step(training_args: Any) -> int:
         return 0
 
 
-def _given(raw_args: Any, key: str) -> bool:
-    if isinstance(raw_args, dict):
-        return raw_args.get(key) not in (None, "")
-    if isinstance(raw_args, (list, tuple)):
-        return any(isinstance(a, str) and (a == f"--{key}" or a.startswith(f"--{key}=")) for a in raw_args)
-    return False
-
-
 def incomplete(path: str) -> str | None:
     """Why ``path`` is not a complete Trainer checkpoint (None: it is).
 
@@ -141,8 +134,8 @@ def complete_checkpoints(output_dir: str) -> list[str]:
     return [p for p in paths if incomplete(p) is None]
 
 
-def check_resume(raw_args: Any, training_args: Any) -> None:
-    """Never resume from a half-written checkpoint (see the module docstring)."""
+def check_resume(training_args: Any) -> None:
+    """An explicit ``resume_from_checkpoint`` must be a complete checkpoint (see the module docstring)."""
     path = getattr(training_args, "resume_from_checkpoint", None)
     if not isinstance(path, str) or not path or not os.path.isdir(path):
         return  # nothing to resume, or transformers' own errors apply
@@ -151,18 +144,30 @@ def check_resume(raw_args: Any, training_args: Any) -> None:
         return
     parent = os.path.dirname(os.path.abspath(path))
     good = [p for p in complete_checkpoints(parent) if os.path.abspath(p) != os.path.abspath(path)]
-    if _given(raw_args, "resume_from_checkpoint"):
-        hint = f"point `resume_from_checkpoint` at a complete one (newest: {good[0]})" if good else (
-            "point `resume_from_checkpoint` at a complete checkpoint, or remove the key to start over"
-        )
-        raise LigerFsdpConfigError(
-            f"`resume_from_checkpoint: {path}` is an incomplete checkpoint: {reason}. The run that wrote it was "
-            f"interrupted while saving. Fix: {hint}."
-        )
-    if not good:
-        raise LigerFsdpConfigError(
-            f"`output_dir` {parent} holds no complete checkpoint to resume from ({path}: {reason}). "
-            "Fix: delete the incomplete checkpoint-* directories, or set `overwrite_output_dir: true` to start over."
-        )
-    training_args.resume_from_checkpoint = good[0]
-    info_rank0(f"[liger_fsdp] resume: skipping incomplete {path} ({reason}); resuming from {good[0]}")
+    hint = f"point `resume_from_checkpoint` at a complete one (newest: {good[0]})" if good else (
+        "point `resume_from_checkpoint` at a complete checkpoint, or remove the key to start over"
+    )
+    raise LigerFsdpConfigError(
+        f"`resume_from_checkpoint: {path}` is an incomplete checkpoint: {reason}. The run that wrote it was "
+        f"interrupted while saving. Fix: {hint}."
+    )
+
+
+def skip_incomplete(get_last_checkpoint):
+    """``get_last_checkpoint(folder)`` that passes over incomplete checkpoints (one log line each run)."""
+
+    def last_complete(folder: str):
+        newest = get_last_checkpoint(folder)
+        reason = incomplete(newest) if newest is not None else None
+        if reason is None:
+            return newest
+        good = complete_checkpoints(folder)
+        if not good:
+            raise LigerFsdpConfigError(
+                f"`output_dir` {folder} holds no complete checkpoint to resume from ({newest}: {reason}). "
+                "Fix: delete the incomplete checkpoint-* directories, or set `overwrite_output_dir: true` to start over."
+            )
+        info_rank0(f"[liger_fsdp] resume: {newest} is incomplete ({reason}); skipped")
+        return good[0]
+
+    return last_complete

@@ -10,7 +10,8 @@ LLaMA-Factory (:mod:`.llamafactory`, patched by the import hook right after each
 3. ``llamafactory.model.loader.load_model`` -- after LLaMA-Factory built the (PEFT) model,
    :func:`..engage.engage` sets the fused forward and tags the head's FSDP units.
 4. ``llamafactory.launcher.launch`` -- ``llamafactory-cli train``'s launching process checks what the
-   yaml alone decides before any rank starts (one error, printed once, last).
+   yaml alone decides before any rank starts (one error, printed once, last); ``llamafactory.v1.launcher.launch``
+   (``USE_V1=1``, the v1 engine, which never calls ``load_model``) refuses ``liger_fsdp`` the same way.
 
 Everything below is patched by :func:`.llamafactory.engage_model` only when this run needs it, recorded on the
 engaged model and undone by :func:`..engage.disengage`:
@@ -42,12 +43,10 @@ from typing import Any
 from .. import _patch
 from .._log import info_rank0
 
-PARSER = "llamafactory.hparams.parser"
-LOADER = "llamafactory.model.loader"
-LAUNCHER = "llamafactory.launcher"
+from ..hooked import LAUNCHER, LOADER, PARSER, V1_LAUNCHER
+
 DPO = "llamafactory.train.dpo.trainer"
 KTO = "llamafactory.train.kto.trainer"
-HOOKED_MODULES = (PARSER, LOADER, LAUNCHER)
 
 
 def on_module_loaded(name: str, module: Any) -> None:
@@ -57,7 +56,7 @@ def on_module_loaded(name: str, module: Any) -> None:
     from . import llamafactory
 
     patchers = {PARSER: llamafactory.patch_parser, LOADER: llamafactory.patch_loader,
-                LAUNCHER: llamafactory.patch_launcher}
+                LAUNCHER: llamafactory.patch_launcher, V1_LAUNCHER: llamafactory.patch_v1_launcher}
     if name not in patchers:
         return
     try:

@@ -1,4 +1,4 @@
-"""Patches 1-4 of :mod:`.` : LLaMA-Factory's parser, loader and launcher."""
+"""Patches 1-4 of :mod:`.` : LLaMA-Factory's parser, loader and launchers (the default engine's and v1's)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,26 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
-from .. import _patch, config, refusals, sharding, thirdparty
+from .. import _patch, config, refusals, sharding, thirdparty, versions
 from .._log import info_rank0
 from ..checkpoint import resume
 from ..config import LigerFsdpConfigError
 
-SAID_ENV = "LLAMAFACTORY_LIGER_FSDP_SAID_DISABLED"  # set by the launching process for its ranks: said once
+#: Set by the launching process for its ranks (inherited through torchrun): each of these lines is said once.
+SAID_ENV = "LLAMAFACTORY_LIGER_FSDP_SAID_DISABLED"
+SAID_VERSIONS_ENV = "LLAMAFACTORY_LIGER_FSDP_SAID_VERSIONS"
+
+
+def _say_once(env: str, line: str | None) -> None:
+    if line and not os.environ.get(env):
+        os.environ[env] = "1"
+        info_rank0(line)
 
 
 def _log_disabled(ours: dict) -> None:
-    if ours and not os.environ.get(SAID_ENV):
-        os.environ[SAID_ENV] = "1"
-        info_rank0(f"[liger_fsdp] {config.DISABLE_ENV}=1: the liger_fsdp keys are accepted and ignored; this run "
-                   "trains as without the plugin.")
+    if ours:
+        _say_once(SAID_ENV, f"[liger_fsdp] {config.DISABLE_ENV}=1: the liger_fsdp keys are accepted and ignored; this "
+                            "run trains as without the plugin.")
 
 
 # --------------------------------------------------------------------------- 1./2. the parser
@@ -53,6 +60,7 @@ def patch_parser(parser_module: Any) -> None:
                 _patch.log_once()
                 refusals.check_parsed(parsed, cfg.sharding, cfg)
                 resume.refuse_sharded_state_dict(cfg.sharding, parsed["finetuning"])
+                _say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
             if "finetuning" in parsed:
                 setattr(parsed["finetuning"], config.ATTR, cfg)
             return result
@@ -67,11 +75,19 @@ def patch_parser(parser_module: Any) -> None:
 
     def make_train(original):
         def get_train_args(args=None):
-            result = original(args)
+            armed = config_from_args(read_args(args))[1].enabled
+            last = getattr(parser_module, "get_last_checkpoint", None)
+            if armed and last is not None:  # LLaMA-Factory's auto-resume passes over half-written checkpoints
+                parser_module.get_last_checkpoint = resume.skip_incomplete(last)
+            try:
+                result = original(args)
+            finally:
+                if armed and last is not None:
+                    parser_module.get_last_checkpoint = last
             parsed = thirdparty.parsed_args(result)
             cfg = config.get_config(parsed.get("finetuning"))
             if cfg.enabled and getattr(parsed.get("training"), "do_train", False):
-                resume.check_resume(read_args(args), parsed["training"])
+                resume.check_resume(parsed["training"])
                 setattr(parsed["finetuning"], config.ATTR,
                         dataclasses.replace(cfg, start_step=resume.resumed_step(parsed["training"])))
             return result
@@ -167,13 +183,14 @@ def precheck(raw: Any) -> None:
     refusals.check_raw(rest, decided, cfg)
     resume.refuse_sharded_state_dict(decided, SimpleNamespace(finetuning_type=rest.get("finetuning_type", "lora")))
     if rest.get("resume_from_checkpoint"):
-        resume.check_resume(rest, SimpleNamespace(resume_from_checkpoint=rest["resume_from_checkpoint"]))
+        resume.check_resume(SimpleNamespace(resume_from_checkpoint=rest["resume_from_checkpoint"]))
     try:
         check_family(SimpleNamespace(**rest))
     except LigerFsdpConfigError:
         raise
     except Exception:  # config not readable here (hub id offline, ...): checked again at load time
         pass
+    _say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
 
 
 def patch_launcher(launcher_module: Any) -> None:
@@ -198,3 +215,45 @@ def patch_launcher(launcher_module: Any) -> None:
         return launch
 
     _patch.apply(launcher_module, "launch", make, "refuse what the yaml alone decides before any rank starts")
+
+
+# --------------------------------------------------------------------------- 4b. the v1 engine's launcher
+V1_COMMANDS = ("train", "sft", "dpo", "rm")
+
+
+def v1_requested(argv: list[str]) -> bool:
+    """Whether a ``USE_V1=1 llamafactory-cli <command> cfg.yaml [key=value ...]`` asks for ``liger_fsdp``."""
+    import yaml
+
+    values: dict = {}
+    for item in argv:
+        if item.endswith((".yaml", ".yml", ".json")) and os.path.isfile(item):
+            with open(item, encoding="utf-8") as f:
+                loaded = yaml.safe_load(f)
+            values.update(loaded if isinstance(loaded, dict) else {})
+        elif "=" in item:
+            key, _, value = item.lstrip("-").partition("=")
+            values[key] = value
+        elif item.lstrip("-") == "liger_fsdp":
+            values["liger_fsdp"] = True
+    return refusals._flag(values.get("liger_fsdp", False))
+
+
+def patch_v1_launcher(launcher_module: Any) -> None:
+    """LLaMA-Factory's v1 engine (``USE_V1=1``) trains without ``load_model``: refused before any rank starts."""
+    _patch.require_params(launcher_module.launch, (), "launch")
+
+    def make(original):
+        def launch():
+            if sys.argv[1:2] and sys.argv[1] in V1_COMMANDS and v1_requested(sys.argv[2:]) \
+                    and not config.disabled_by_env():
+                print("[liger_fsdp] error: `liger_fsdp: true` works with LLaMA-Factory's default engine; USE_V1=1 "
+                      "starts the v1 engine, whose trainers build the model without LLaMA-Factory's load_model, so the "
+                      "fused loss would never engage. Fix: unset USE_V1 (and train with `llamafactory-cli train`), or "
+                      "remove `liger_fsdp`.", file=sys.stderr, flush=True)
+                sys.exit(1)
+            return original()
+
+        return launch
+
+    _patch.apply(launcher_module, "launch", make, "refuse liger_fsdp on the v1 engine before any rank starts")
