@@ -12,6 +12,10 @@
 #                                   # $OUT/h200_speed.json, which starts as a copy of bench/results/h200_speed.json when
 #                                   # there is one (copy the returned file back there between calls); the whole command
 #                                   # stays under SPEED_LIMIT s (default 570): no run starts past the deadline
+#   DEPTH_ARGS="--plan sweep,repeat" bash bench/run_h200.sh depth
+#                                   # bench/depth_h200.py: the 32-layer Llama-3-8B runs (longest cutoff per variant),
+#                                   # appended to $OUT/h200_depth.json (starts as a copy of bench/results/h200_depth.json;
+#                                   # copy it back between calls); whole command under DEPTH_LIMIT s (default 570)
 # Wheels that the image lacks travel in .whl/ (see bench/RESULTS.md); results go to $OUT (or bench/results).
 set -uo pipefail
 OUT=${OUT:-bench/results}
@@ -42,6 +46,22 @@ case "${1:-kernel}" in
   all)
     OUT=$OUT bash "$0" kernel-only
     OUT=$OUT bash "$0" sft
+    ;;
+  depth)
+    # the plugin's wheel (built from a commit: .whl/PLUGIN_COMMIT) pip-installed for real, its .pth in site-packages
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/llamafactory_liger_fsdp-*.whl || exit 1
+    install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
+    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+    limit=${DEPTH_LIMIT:-570}  # seconds for this whole command, the installs above included
+    nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,temperature.gpu --format=csv,noheader
+    prev=bench/results/h200_depth.json
+    if [ -f "$prev" ] && [ ! -e "$OUT/h200_depth.json" ]; then cp "$prev" "$OUT/h200_depth.json"; fi
+    timeout $((limit - SECONDS)) python3 bench/depth_h200.py --out "$OUT/h200_depth.json" \
+      --deadline $((limit - 10 - SECONDS)) ${DEPTH_ARGS:-} 2>&1 | tee "$OUT/depth.log"
+    for f in /tmp/real_size/fsdp2_*_r[0-9]*.log /tmp/real_size/zero3_*_r[0-9]*.log; do  # runs with no result JSON
+      [ -e "$f" ] && [ ! -s "${f%.log}.json" ] && { echo "=== $f"; tail -c 4000 "$f"; }
+    done > "$OUT/depth_fail.log" 2>/dev/null
+    exit 0
     ;;
   sft|multi|reach|speed)
     # the plugin itself is pip-installed for real (its .pth hook must land in site-packages)
