@@ -1,9 +1,24 @@
 #!/usr/bin/env bash
 # Install everything, then run the whole test suite (CPU; real 2-process FSDP, real llamafactory-cli runs,
-# the Triton kernel under TRITON_INTERPRET=1). Two pytest workers, each taking whole test files (module fixtures are
-# built once); pass `-n 0` for one process.
-set -euo pipefail
+# the Triton kernel under TRITON_INTERPRET=1) on the pinned stack of requirements-cpu.txt (the GPU image's torch 2.11 /
+# triton 3.6), then, with no arguments, on the stacks users install today (scripts/test_stacks.sh: PyPI's
+# llamafactory 0.9.5 with torch 2.15 / triton 3.9, and LLaMA-Factory git main from source). `.ci/run` calls this.
+#
+#   bash scripts/test.sh                  # everything (CI)
+#   bash scripts/test.sh -m "not slow"    # with pytest arguments: the pinned stack only (the fast tier here)
+#   STACKS=none bash scripts/test.sh      # the pinned stack's whole suite only
+#
+# Two pytest workers, each taking whole test files (module fixtures are built once); pass `-n 0` for one process.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
-exec .venv/bin/python -m pytest -q -n 2 --dist loadfile tests "$@"
+bash scripts/setup.sh || exit 1
+STACKS=${STACKS:-$([ $# -eq 0 ] && echo all || echo none)}
+t0=$SECONDS
+(export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
+ exec .venv/bin/python -m pytest -q -n 2 --dist loadfile tests "$@")
+rc=$?
+echo "test.sh: pinned stack: exit $rc in $((SECONDS - t0)) s"
+if [ "$STACKS" != none ]; then
+  bash scripts/test_stacks.sh "$STACKS" || rc=1
+fi
+exit $rc
