@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.cli import FSDP2, base_yaml, build, export_logits, peft_logits, rel_norm, run_cli, step_losses
+from support.cli import FSDP2, base_yaml, build, export_logits, peft_logits, run_cli, step_losses
+
+from llamafactory_liger_fsdp.testing import rel
 
 pytestmark = pytest.mark.slow
 
@@ -76,28 +78,28 @@ def test_resume_equals_uninterrupted(assets, reference, tmp_path):
 
     a, b = load_file(out / "adapter_model.safetensors"), load_file(ref_out / "adapter_model.safetensors")
     assert a.keys() == b.keys()
-    assert max(rel_norm(a[k], b[k]) for k in a) <= TOL
+    assert max(rel(a[k], b[k]) for k in a) <= TOL
 
 
 def test_adapter_in_plain_peft_gives_trained_logits(assets, reference):
     out, _, dumped = reference
     logits = peft_logits(assets, out, dumped["input_ids"])
-    rel = rel_norm(logits, dumped["logits"])
-    print("plain PEFT vs sharded logits rel", rel)
-    assert rel <= TOL
+    diff = rel(logits, dumped["logits"])
+    print("plain PEFT vs sharded logits rel", diff)
+    assert diff <= TOL
     # the trained head really moved: logits differ from the base model's
     from transformers import AutoModelForCausalLM
 
     with torch.no_grad():
         base = AutoModelForCausalLM.from_pretrained(str(assets / "model")).eval()(input_ids=dumped["input_ids"]).logits
-    assert rel_norm(base, dumped["logits"]) > 1e-3
+    assert rel(base, dumped["logits"]) > 1e-3
 
 
 def test_export_merged_gives_trained_logits(assets, reference, tmp_path):
     out, _, dumped = reference
-    rel = rel_norm(export_logits(assets, out, tmp_path, dumped["input_ids"]), dumped["logits"])
-    print("merged export vs sharded logits rel", rel)
-    assert rel <= TOL
+    diff = rel(export_logits(assets, out, tmp_path, dumped["input_ids"]), dumped["logits"])
+    print("merged export vs sharded logits rel", diff)
+    assert diff <= TOL
 
 
 def test_rank_killed_while_saving(assets, reference, tmp_path):
@@ -220,8 +222,8 @@ def test_tied_embeddings_survive(tmp_path_factory, tmp_path):
     assert rc == 0, log[-6000:]
     print("tied resume rel diff", _assert_curve(step_losses(out), ref, range(3, 5)))
 
-    rel_peft = rel_norm(peft_logits(assets, ref_out, dumped["input_ids"]), dumped["logits"])
-    rel_merged = rel_norm(export_logits(assets, ref_out, tmp_path, dumped["input_ids"]), dumped["logits"])
+    rel_peft = rel(peft_logits(assets, ref_out, dumped["input_ids"]), dumped["logits"])
+    rel_merged = rel(export_logits(assets, ref_out, tmp_path, dumped["input_ids"]), dumped["logits"])
     print("tied plain PEFT / merged vs sharded logits rel", rel_peft, rel_merged)
     assert rel_peft <= TOL and rel_merged <= TOL
 
@@ -269,4 +271,4 @@ def test_frozen_head_fsdp2_checkpoints_resume(assets, tmp_path):
     print("frozen head FSDP2 resume rel diff", _assert_curve(step_losses(out), ref, range(3, 5)))
     resumed = load_file(out / "adapter_model.safetensors")
     assert resumed.keys() == final.keys()
-    assert max(rel_norm(resumed[k], final[k]) for k in final) <= TOL
+    assert max(rel(resumed[k], final[k]) for k in final) <= TOL

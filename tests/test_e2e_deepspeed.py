@@ -9,7 +9,9 @@ import shutil
 import pytest
 import torch
 
-from support.cli import base_yaml, build, deepspeed, export_logits, peft_logits, rel_norm, run_cli, step_losses
+from support.cli import base_yaml, build, deepspeed, export_logits, peft_logits, run_cli, step_losses
+
+from llamafactory_liger_fsdp.testing import rel
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
@@ -98,8 +100,8 @@ def test_zero3_adapter_and_export_give_the_trained_logits(assets, liger_z3, tmp_
     out, _, _, dumped = liger_z3
     with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
         assert tuple(f.get_tensor("base_model.model.lm_head.weight").shape) == (384, 64)  # whole, not a partition
-    peft_rel = rel_norm(peft_logits(assets, out, dumped["input_ids"]), dumped["logits"])
-    merged_rel = rel_norm(export_logits(assets, out, tmp_path, dumped["input_ids"]), dumped["logits"])
+    peft_rel = rel(peft_logits(assets, out, dumped["input_ids"]), dumped["logits"])
+    merged_rel = rel(export_logits(assets, out, tmp_path, dumped["input_ids"]), dumped["logits"])
     print("ZeRO-3: plain PEFT vs trained logits", peft_rel, "merged export", merged_rel)
     assert peft_rel <= 1e-5 and merged_rel <= 1e-5
 

@@ -6,9 +6,10 @@ import functools
 
 import pytest
 import torch
-from support.kernel import OpLog, inputs, reference, rel, run
+from support.kernel import OpLog, inputs, reference, run
 
 from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
+from llamafactory_liger_fsdp.testing import rel
 
 BACKENDS = ["torch", "triton", "triton_fast"]
 

@@ -12,10 +12,11 @@ dz's target entry."""
 
 import pytest
 import torch
-from support.kernel import LiveBytes, inputs, plain_torch, reference, rel, run
+from support.kernel import LiveBytes, inputs, plain_torch, reference, run
 
 from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy, triton_flce
 from llamafactory_liger_fsdp.ops.triton_flce import fused_linear_cross_entropy_triton, lean_bytes, plan_tiles
+from llamafactory_liger_fsdp.testing import rel
 
 TILES = [None, (7, 16, 5), (64, 64, 9), (3, 1000, 100)]  # (c, v_s, R): None planned; others: R < N_v, many slabs
 

@@ -132,6 +132,9 @@ def twin(name: str, head: str, seed: int = 0, dropout: float = 0.0):
     return ref, cand
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+def rel(a, b) -> float:
+    """``||a - b|| / ||b||`` in float64: the one relative difference of the tests, the workers and the benchmarks.
+    ``a`` and ``b`` are tensors (any dtype and device) or anything ``torch.as_tensor`` takes; ``||b||`` is floored at
+    1e-300, so two zero tensors differ by 0 and anything nonzero against zero by a huge number."""
+    a, b = torch.as_tensor(a).detach().double(), torch.as_tensor(b).detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))

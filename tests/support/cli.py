@@ -133,11 +133,6 @@ def step_losses(out: Path) -> dict[int, float]:
     return losses
 
 
-def rel_norm(a, b):
-    """||a - b|| / ||b||."""
-    return (a - b).norm().item() / b.norm().item()
-
-
 def peft_logits(assets, adapter_dir, ids):
     """Logits of the base model + the adapter in ``adapter_dir``, loaded with plain PEFT (no plugin)."""
     import torch
