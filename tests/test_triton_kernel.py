@@ -12,7 +12,7 @@ dz's target entry."""
 
 import pytest
 import torch
-from support.kernel import LiveBytes, inputs, plain_torch, reference, run
+from support.kernel import StorageTrace, inputs, plain_torch, reference, run
 
 from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy, triton_flce
 from llamafactory_liger_fsdp.ops.triton_flce import fused_linear_cross_entropy_triton, lean_bytes, plan_tiles
@@ -169,7 +169,7 @@ def test_lean_memory_within_budget(monkeypatch, reduction):
     v_s, r = plan_tiles(n_valid, h_dim, v, row_scaled=reduction == "none", mem_budget=budget)
     assert v_s < v and r < n_valid  # the budget does constrain the tiles
     g = torch.rand(n) + 0.5 if reduction == "none" else None
-    fwd, bwd = LiveBytes(), LiveBytes()
+    fwd, bwd = StorageTrace(), StorageTrace()
     fwd.emulate_gpu(monkeypatch, triton_flce)
     with fwd:
         loss = fused_linear_cross_entropy_triton(h, w, y, reduction=reduction, mem_budget=budget)
@@ -261,7 +261,7 @@ def test_fast_memory_model(monkeypatch):
     h, w, y = inputs(n, h_dim, v, torch.bfloat16, seed=8)
     n_valid = int((y != -100).sum())
     c = 32
-    fwd = LiveBytes()
+    fwd = StorageTrace()
     fwd.emulate_gpu(monkeypatch, triton_flce)
     with fwd:
         loss = fused_linear_cross_entropy_triton(h, w, y, fast=True, tiles=(c, 0, 0))
@@ -285,7 +285,7 @@ def test_fast_per_row_keeps_dz(monkeypatch):
     for store in (True, False):
         monkeypatch.setattr(triton_rows, "FAST_STORE_MAX_BYTES", 2 * n_valid * v if store else 2 * n_valid * v - 1)
         monkeypatch.setattr(triton_rows, "default_chunk", lambda _v: c)
-        track = LiveBytes()
+        track = StorageTrace()
         track.emulate_gpu(monkeypatch, triton_flce)
         hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
         with track:
@@ -314,7 +314,7 @@ def test_frozen_weight_columns_at_the_rounding_floor(monkeypatch, path):
     n_valid = int((y != -100).sum())
     reduction = "none" if path == "rows" else "mean"
     g = torch.rand(n, generator=torch.Generator().manual_seed(4)) + 0.5 if path == "rows" else None
-    track = LiveBytes()
+    track = StorageTrace()
     track.emulate_gpu(monkeypatch, triton_flce)
     with track:
         loss, dh, dw = run(fused_linear_cross_entropy, h, w, y, grad_rows=g, reduction=reduction,
@@ -338,7 +338,7 @@ def test_fast_per_row_frozen_head_keeps_nothing(monkeypatch):
     g = torch.rand(n, generator=torch.Generator().manual_seed(3)) * 3 + 0.1
     monkeypatch.setattr(triton_rows, "FAST_STORE_MAX_BYTES", 0)
     monkeypatch.setattr(triton_rows, "default_chunk", lambda _v: c)
-    track = LiveBytes()
+    track = StorageTrace()
     track.emulate_gpu(monkeypatch, triton_flce)
     hh = h.detach().clone().requires_grad_()
     with track:
@@ -361,7 +361,7 @@ def test_forward_only_when_no_gradient_is_needed(monkeypatch, fast, mode):
     ref_loss = reference(h, w, y)[0]
     if mode == "inputs_without_grad":
         h, w = h.detach(), w.detach()
-    log = LiveBytes()
+    log = StorageTrace()
     log.emulate_gpu(monkeypatch, triton_flce)
     with log:
         if mode == "no_grad":

@@ -72,9 +72,11 @@ def run(fn, h, w, y, grad_rows=None, **kw):
     return loss.detach(), h.grad, w.grad
 
 
-class LiveBytes:
+class StorageTrace:
     """Bytes of tensor storages allocated by aten ops while active and still alive: sampled after
-    every op; ``peak(exclude)`` is the largest sample without the storages of ``exclude``.
+    every op; ``peak(exclude)`` is the largest sample without the storages of ``exclude``. (The
+    package's ``diagnostics.LiveBytes`` keeps only the running peak, for the memory report; this
+    trace keeps every sample, what was allocated, and pauses, for the kernel's memory tests.)
 
     ``emulate_gpu(monkeypatch, module)`` removes two CPU-only effects: the kernel's GEMM helpers
     stand in for CUDA's mixed-dtype GEMM with upcast copies the GPU never makes (hidden by
@@ -155,7 +157,7 @@ class LiveBytes:
             self.t._paused -= 1
 
     def paused(self):
-        return LiveBytes._Pause(self)
+        return StorageTrace._Pause(self)
 
     def emulate_gpu(self, monkeypatch, module):
         import gc
