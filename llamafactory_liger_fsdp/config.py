@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .args import argv_options, true_or_false, truthy
+
 #: The keys this plugin adds to LLaMA-Factory's arguments, with their help text.
 KEYS = {
     "liger_fsdp": "true/false: compute the causal-LM loss with the fused linear cross-entropy, through the FSDP units "
@@ -60,14 +62,13 @@ class LigerFsdpConfig:
 
 
 def disabled_by_env() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return truthy(os.environ.get(DISABLE_ENV, ""))
 
 
 def _parse_bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
+    parsed = true_or_false(value)
+    if parsed is not None:
+        return parsed
     raise LigerFsdpConfigError(
         f"`{key}` must be true or false, got {value!r} ({type(value).__name__}). "
         f"Fix: write `{key}: true` (or `false`) in the yaml, or `{key}=true` on the command line."
@@ -117,27 +118,17 @@ def split(args: Any) -> tuple[Any, dict[str, Any]]:
         ours = {k: args[k] for k in args if isinstance(k, str) and k.startswith("liger_fsdp")}
         return {k: v for k, v in args.items() if k not in ours}, ours
     if isinstance(args, (list, tuple)):
-        ours: dict[str, Any] = {}
-        rest: list[str] = []
         items = list(args)
-        i = 0
-        while i < len(items):
-            item = items[i]
-            if isinstance(item, str) and item.startswith("--liger_fsdp"):
-                key, eq, value = item[2:].partition("=")
-                if not eq:
-                    nxt = items[i + 1] if i + 1 < len(items) else None
-                    if isinstance(nxt, str) and not nxt.startswith("--"):
-                        value, i = nxt, i + 1
-                    elif key == "liger_fsdp":
-                        value = "true"  # bare flag, as HfArgumentParser treats booleans
-                    else:
-                        raise LigerFsdpConfigError(f"`--{key}` needs a value. Fix: write `--{key} <value>`.")
-                ours[key] = value
-            else:
-                rest.append(item)
-            i += 1
-        return rest, ours
+        ours: dict[str, Any] = {}
+        taken: set[int] = set()
+        for option in argv_options(items):
+            if not option.key.startswith("liger_fsdp"):
+                continue
+            if option.value is None and option.key != "liger_fsdp":
+                raise LigerFsdpConfigError(f"`--{option.key}` needs a value. Fix: write `--{option.key} <value>`.")
+            ours[option.key] = "true" if option.value is None else option.value  # bare flag, as HfArgumentParser
+            taken.update(range(option.start, option.stop))
+        return [item for i, item in enumerate(items) if i not in taken], ours
     return args, {}
 
 

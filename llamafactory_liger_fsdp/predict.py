@@ -44,16 +44,16 @@ def head_from_yaml(finetuning_args: Any) -> str:
     """The head kind the yaml alone trains (``head=...``), or why the head is frozen: what ``doctor`` can say
     without the model's config (an offline hub id). The output embedding is named as users name it in LLaMA-Factory
     (``lm_head``, ``embed_out``)."""
-    from .refusals import HEAD_NAMES, PREFERENCE_STAGES, _names
+    from .refusals import PREFERENCE_STAGES, head_targets
 
     kind = getattr(finetuning_args, "finetuning_type", "lora")
     for key, what in (("additional_target", "modules_to_save"), ("lora_target", "lora")):
-        named = [n for n in _names(getattr(finetuning_args, key, None)) if n in HEAD_NAMES]
+        named = head_targets(getattr(finetuning_args, key, None))
         if kind == "lora" and named:
             return f"head={what} ({named[0]}; `{key}`)"
     if kind == "full":
         return "head=full (lm_head; full fine-tuning)"
-    if kind == "freeze" and any(n in HEAD_NAMES for n in _names(getattr(finetuning_args, "freeze_extra_modules", None))):
+    if kind == "freeze" and head_targets(getattr(finetuning_args, "freeze_extra_modules", None)):
         return "head=full (lm_head; `freeze_extra_modules`)"
     if getattr(finetuning_args, "stage", "sft") in PREFERENCE_STAGES:
         return "head=frozen (lm_head; the preference log-probs still come from the fused kernel)"

@@ -14,6 +14,7 @@ import os
 from typing import Any, Callable
 
 from . import versions
+from .args import argv_values, truthy
 from .config import LigerFsdpConfigError
 
 #: Names LLaMA-Factory users give the output embedding in `lora_target` / `oft_target` (gpt_neox: embed_out).
@@ -44,21 +45,18 @@ _ENGINES = {
 }
 
 
-def _flag(value: Any) -> bool:
-    return str(value).strip().lower() in ("1", "true", "yes", "on")
-
-
-def _names(value: Any) -> list[str]:
-    """A LLaMA-Factory module list: ``"q_proj,lm_head"`` in a yaml, a list once parsed."""
+def head_targets(value: Any) -> list[str]:
+    """The output-embedding names (:data:`HEAD_NAMES`) in a LLaMA-Factory module list (``lora_target``,
+    ``additional_target``, ...): ``"q_proj,lm_head"`` in a yaml, a list once parsed."""
     items = value if isinstance(value, (list, tuple)) else str(value or "").split(",")
-    return [str(x).strip() for x in items if str(x).strip()]
+    return [name for name in (str(x).strip() for x in items) if name in HEAD_NAMES]
 
 
 def _head_variant(get: Callable[[str, Any], Any]) -> None:
     """Adapters on the head that are not plain LoRA, read from the yaml (the loader would refuse them per rank)."""
     kind = str(get("finetuning_type", "lora"))
-    if kind == "lora" and _flag(get("use_dora", False)):
-        on_head = [n for n in _names(get("lora_target", "")) if n in HEAD_NAMES]
+    if kind == "lora" and truthy(get("use_dora", False)):
+        on_head = head_targets(get("lora_target", ""))
         if on_head:
             raise LigerFsdpConfigError(
                 f"`liger_fsdp: true` supports plain LoRA on the head; `use_dora: true` with `{on_head[0]}` in "
@@ -67,7 +65,7 @@ def _head_variant(get: Callable[[str, Any], Any]) -> None:
                 "or set `use_dora: false`, or remove `liger_fsdp`."
             )
     if kind == "oft":
-        on_head = [n for n in _names(get("oft_target", "")) if n in HEAD_NAMES]
+        on_head = head_targets(get("oft_target", ""))
         if on_head:
             raise LigerFsdpConfigError(
                 f"`liger_fsdp: true` does not support OFT on the head (`{on_head[0]}` in `oft_target`): the fused loss "
@@ -121,20 +119,20 @@ def check(get: Callable[[str, Any], Any], sharding: Any = None, cfg: Any = None,
             f"{', '.join(SUPPORTED_STAGES)}. Fix: remove `liger_fsdp` (or set it to false) for `stage: {stage}`."
         )
     for key in _LOGIT_LOSSES:
-        if _flag(get(key, False)):
+        if truthy(get(key, False)):
             raise LigerFsdpConfigError(
                 f"`liger_fsdp: true` does not work with `{key}: true`: that loss reads the logits, which the fused "
                 f"loss never builds. Fix: set `{key}: false` or remove `liger_fsdp`."
             )
     for key, why in _REPLACED.items():
-        if _flag(get(key, False)):
+        if truthy(get(key, False)):
             raise LigerFsdpConfigError(
                 f"`liger_fsdp: true` does not work with `{key}: true`: {why}. Fix: set `{key}: false` or remove "
                 "`liger_fsdp`."
             )
     for var, why in _ENGINES.items():
         key = var.lower()
-        if _flag(os.environ.get(var, "")) or _flag(get(key, False)):
+        if truthy(os.environ.get(var, "")) or truthy(get(key, False)):
             raise LigerFsdpConfigError(
                 f"`liger_fsdp: true` does not work with {var}=1 (`{key}`): {why}. Fix: unset {var} to train with "
                 "LLaMA-Factory's default engine, or remove `liger_fsdp`."
@@ -154,22 +152,9 @@ def check(get: Callable[[str, Any], Any], sharding: Any = None, cfg: Any = None,
         raise LigerFsdpConfigError(problem)
 
 
-def _argv_to_dict(argv: list) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    items = [a for a in argv if isinstance(a, str)]
-    for i, item in enumerate(items):
-        if item.startswith("--"):
-            key, eq, value = item[2:].partition("=")
-            if not eq:
-                nxt = items[i + 1] if i + 1 < len(items) else None
-                value = nxt if isinstance(nxt, str) and not nxt.startswith("--") else "true"
-            out[key] = value
-    return out
-
-
 def check_raw(args: Any, sharding: Any = None, cfg: Any = None, machine: bool = True) -> None:
     """:func:`check` on LLaMA-Factory's raw arguments (dict from yaml/json, or an argv list)."""
-    values = args if isinstance(args, dict) else _argv_to_dict(list(args or []))
+    values = args if isinstance(args, dict) else argv_values(args or [])
     check(lambda key, default: values.get(key, default), sharding, cfg, machine)
 
 

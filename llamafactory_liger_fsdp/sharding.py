@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from . import thirdparty
+from .args import truthy
 
 NONE, DDP, FSDP1, FSDP2, DEEPSPEED = "none", "ddp", "fsdp1", "fsdp2", "deepspeed"
 
@@ -41,10 +42,6 @@ class Sharding:
         return {NONE: "none", DDP: "DDP", FSDP1: "FSDP1", FSDP2: "FSDP2"}[self.kind]
 
 
-def _truthy(value: Any) -> bool:
-    return str(value).strip().lower() in ("1", "true", "yes", "on")
-
-
 def _read_json(value: Any) -> dict | None:
     if isinstance(value, dict):
         return value
@@ -65,7 +62,7 @@ def _deepspeed(training_args: Any, env: Mapping[str, str]) -> Sharding | None:
     hf_config = getattr(training_args, "hf_deepspeed_config", None)
     config = getattr(hf_config, "config", None) or _read_json(getattr(training_args, "deepspeed", None))
     source = "the yaml's `deepspeed:` config"
-    if config is None and _truthy(env.get("ACCELERATE_USE_DEEPSPEED", "")):
+    if config is None and truthy(env.get("ACCELERATE_USE_DEEPSPEED", "")):
         config = _read_json(env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")) or {}
         source = "accelerate's DeepSpeed config"
         zero = dict(config.get("zero_optimization") or {})
@@ -86,9 +83,9 @@ def _deepspeed(training_args: Any, env: Mapping[str, str]) -> Sharding | None:
 
 
 def _fsdp(training_args: Any, env: Mapping[str, str]) -> Sharding | None:
-    if _truthy(env.get("ACCELERATE_USE_FSDP", "")):
+    if truthy(env.get("ACCELERATE_USE_FSDP", "")):
         version = int(env.get("FSDP_VERSION") or 1)
-        offload = "cpu" if _truthy(env.get("FSDP_OFFLOAD_PARAMS", "")) else None
+        offload = "cpu" if truthy(env.get("FSDP_OFFLOAD_PARAMS", "")) else None
         return Sharding(FSDP2 if version == 2 else FSDP1, offload_param=offload, source="accelerate's FSDP config")
     if getattr(training_args, "fsdp", None):
         cfg = getattr(training_args, "fsdp_config", None) or {}
@@ -105,7 +102,7 @@ def world_size(env: Mapping[str, str]) -> int:
     """Processes of this run: torchrun's ``WORLD_SIZE``, else what ``FORCE_TORCHRUN`` will start."""
     if (env.get("WORLD_SIZE") or "").isdigit():
         return int(env["WORLD_SIZE"])
-    if _truthy(env.get("FORCE_TORCHRUN", "")):
+    if truthy(env.get("FORCE_TORCHRUN", "")):
         try:
             return int(env.get("NPROC_PER_NODE") or 1) * int(env.get("NNODES") or 1)
         except ValueError:

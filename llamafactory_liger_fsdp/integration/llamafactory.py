@@ -10,6 +10,7 @@ from typing import Any
 
 from .. import _patch, config, refusals, sharding, thirdparty, versions
 from .._log import info_rank0
+from ..args import argv_values, truthy
 from ..checkpoint import resume
 from ..config import LigerFsdpConfigError
 
@@ -223,20 +224,7 @@ V1_COMMANDS = ("train", "sft", "dpo", "rm")
 
 def v1_requested(argv: list[str]) -> bool:
     """Whether a ``USE_V1=1 llamafactory-cli <command> cfg.yaml [key=value ...]`` asks for ``liger_fsdp``."""
-    import yaml
-
-    values: dict = {}
-    for item in argv:
-        if item.endswith((".yaml", ".yml", ".json")) and os.path.isfile(item):
-            with open(item, encoding="utf-8") as f:
-                loaded = yaml.safe_load(f)
-            values.update(loaded if isinstance(loaded, dict) else {})
-        elif "=" in item:
-            key, _, value = item.lstrip("-").partition("=")
-            values[key] = value
-        elif item.lstrip("-") == "liger_fsdp":
-            values["liger_fsdp"] = True
-    return refusals._flag(values.get("liger_fsdp", False))
+    return truthy(argv_values(argv).get("liger_fsdp", False))
 
 
 def patch_v1_launcher(launcher_module: Any) -> None:
