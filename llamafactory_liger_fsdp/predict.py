@@ -1,7 +1,8 @@
 """What the plugin will decide for a parsed yaml, without weights: the same code as training.
 
-:func:`decide` reads the model's config, builds the model on the ``meta`` device, lets LLaMA-Factory's
-own ``init_adapter`` turn it into the PEFT model training would build, and runs the training-time
+:func:`decide` reads the model's config once, as training reads it
+(:func:`.integration.llamafactory.read_model_config`), builds the model on the ``meta`` device, lets
+LLaMA-Factory's own ``init_adapter`` turn it into the PEFT model training would build, and runs the training-time
 checks on it (family and its class, quirks, loss function, head kind: :func:`..engage.engage` minus the
 forward). A 70B model costs nothing on ``meta``; no GPU is needed.
 """
@@ -25,19 +26,18 @@ class Decision:
     note: str | None = None  # what could not be evaluated here
 
 
-def build_meta_model(model_args: Any, finetuning_args: Any):
+def build_meta_model(model_config: Any, model_args: Any, finetuning_args: Any):
     """The (PEFT) causal LM of this yaml on the meta device, as LLaMA-Factory's loader would set it up."""
     import torch
     from llamafactory.model.adapter import init_adapter
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     trust = bool(getattr(model_args, "trust_remote_code", False))
-    model_config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=trust)
     # LLaMA-Factory's loader: image-text models through AutoModelForImageTextToText, the rest as causal LMs
     auto = AutoModelForImageTextToText if type(model_config) in AutoModelForImageTextToText._model_mapping else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto.from_config(model_config, trust_remote_code=trust)
-    return model_config, init_adapter(model_config, model, model_args, finetuning_args, is_trainable=True)
+    return init_adapter(model_config, model, model_args, finetuning_args, is_trainable=True)
 
 
 def head_from_yaml(finetuning_args: Any) -> str:
@@ -63,13 +63,11 @@ def head_from_yaml(finetuning_args: Any) -> str:
 def decide(model_args: Any, finetuning_args: Any) -> Decision:
     from . import families, heads
     from .engage import causal_lm_of, check_model
+    from .integration.llamafactory import read_model_config
 
     out = Decision()
     try:
-        from transformers import AutoConfig
-
-        model_config = AutoConfig.from_pretrained(model_args.model_name_or_path,
-                                                  trust_remote_code=bool(getattr(model_args, "trust_remote_code", False)))
+        model_config = read_model_config(model_args)
     except Exception as exc:  # offline hub id, missing file
         out.note = (f"could not read the model's config here ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); "
                     "its family, class and quirks are checked at load time")
@@ -83,7 +81,7 @@ def decide(model_args: Any, finetuning_args: Any) -> Decision:
     try:
         family = families.family_of(out.family, model_config)
         out.quirks = families.describe(family, model_config)
-        _, model = build_meta_model(model_args, finetuning_args)
+        model = build_meta_model(model_config, model_args, finetuning_args)
         causal_lm = causal_lm_of(model)
         out.model_class = type(causal_lm).__name__
         check_model(causal_lm)

@@ -99,17 +99,22 @@ def patch_parser(parser_module: Any) -> None:
 
 
 # --------------------------------------------------------------------------- 3. the model
-def check_family(model_args: Any) -> None:
-    """Refuse an unsupported family from the model's config alone (no weights loaded)."""
+def read_model_config(model_args: Any):
+    """The model's config (no weights), read as LLaMA-Factory's loader reads it: training's family check and
+    ``doctor``'s dry run (:mod:`..predict`) read it here, once each."""
     from transformers import AutoConfig
 
-    from .. import families
-
-    model_config = AutoConfig.from_pretrained(
-        model_args.model_name_or_path, trust_remote_code=getattr(model_args, "trust_remote_code", False),
+    return AutoConfig.from_pretrained(
+        model_args.model_name_or_path, trust_remote_code=bool(getattr(model_args, "trust_remote_code", False)),
         cache_dir=getattr(model_args, "cache_dir", None), revision=getattr(model_args, "model_revision", "main"),
     )
-    families.family_of(getattr(model_config, "model_type", None))
+
+
+def check_family(model_args: Any) -> None:
+    """Refuse an unsupported family from the model's config alone (no weights loaded)."""
+    from .. import families
+
+    families.family_of(getattr(read_model_config(model_args), "model_type", None))
 
 
 def patch_loader(loader_module: Any) -> None:
