@@ -10,3 +10,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The Triton kernel runs on CPU tensors under the interpreter (must be set before triton is imported).
 if os.environ.get("LLF_LIGER_FSDP_TEST_GPU") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """The tiny local model, tokenizer and dataset (recipes/tiny_cpu/make_assets.py), built once per test module."""
+    from support.cli import build
+
+    return build(tmp_path_factory.mktemp("assets"))

@@ -13,13 +13,6 @@ from llamafactory_liger_fsdp.config import LigerFsdpConfigError
 from support import names_key_and_fix
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from support.cli import build
-
-    return build(tmp_path_factory.mktemp("assets"))
-
-
 @pytest.fixture
 def base(assets, tmp_path):
     return dict(

@@ -24,11 +24,6 @@ TOL = 1e-5
 SAVES = dict(save_strategy="steps", save_steps=2)
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("assets"))
-
-
 def _yaml(assets, out, **kw):
     return base_yaml(assets, out, liger_fsdp=True, **SAVES, **FSDP2, **kw)
 

@@ -9,15 +9,10 @@ import re
 
 import pytest
 
-from support.cli import FSDP1, FSDP2, base_yaml, build, run_cli
+from support.cli import FSDP1, FSDP2, base_yaml, run_cli
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("assets"))
 
 
 @pytest.fixture(scope="module")

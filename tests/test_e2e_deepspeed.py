@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from support.cli import base_yaml, build, deepspeed, export_logits, peft_logits, run_cli, step_losses
+from support.cli import base_yaml, deepspeed, export_logits, peft_logits, run_cli, step_losses
 
 from llamafactory_liger_fsdp.testing import rel
 
@@ -18,11 +18,6 @@ pytestmark = pytest.mark.slow
 
 TOL = 1e-4
 SAVES = dict(save_strategy="steps", save_steps=2)
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("assets"))
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,10 @@ per-step losses equal the run without the flag, the saved adapter is finite and 
 import pytest
 import torch
 
-from support.cli import FSDP2, base_yaml, build, run_cli
+from support.cli import FSDP2, base_yaml, run_cli
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("assets"))
 
 
 def _adapter(out):

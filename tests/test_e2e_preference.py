@@ -7,17 +7,12 @@ import json
 
 import pytest
 
-from support.cli import FSDP2, base_yaml, build, deepspeed, run_cli
+from support.cli import FSDP2, base_yaml, deepspeed, run_cli
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4
 DPO = dict(stage="dpo", dataset="tiny_pairs", pref_beta=0.1, pref_loss="sigmoid", max_steps=3)
 KTO = dict(stage="kto", dataset="tiny_kto", pref_beta=0.1, max_steps=3)
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("assets"))
 
 
 def _history(out):

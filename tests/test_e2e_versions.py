@@ -7,17 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from support.cli import base_yaml, build, run_cli
+from support.cli import base_yaml, run_cli
 
 pytestmark = pytest.mark.slow
 SHIM = str(Path(__file__).resolve().parent / "newer_library_shim")
 NEWER = {"PYTHONPATH": SHIM, "NEWER_LIBRARY_VERSION": "5.99.0", "DISABLE_VERSION_CHECK": "1"}
 UNTESTED = "[liger_fsdp] untested versions: transformers 5.99.0 (tested up to 5.17); training as usual"
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("assets"))
 
 
 def test_newer_version_trains_and_says_so_once(assets, tmp_path):

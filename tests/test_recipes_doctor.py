@@ -206,13 +206,6 @@ def _yaml(tmp_path, name, assets, **kw):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from support.cli import build
-
-    return build(tmp_path_factory.mktemp("assets"))
-
-
 def test_doctor_decides_like_training(assets, tmp_path, monkeypatch, capsys):
     rc, out = _doctor_here(monkeypatch, capsys, _yaml(tmp_path, "frozen", assets, liger_fsdp=True, additional_target=None))
     assert rc == 0 and "not engaged: lm_head is frozen" in out, out  # trains: exit 0
