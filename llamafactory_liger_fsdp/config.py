@@ -2,7 +2,7 @@
 
 LLaMA-Factory rejects unknown keys (``Some keys are not used by the HfArgumentParser``). The
 integration takes our keys out of the arguments *before* LLaMA-Factory's parser sees them
-(:func:`extract`), validates them here, and hangs the resulting :class:`LigerFsdpConfig` on the
+(:func:`split`), validates them here, and hangs the resulting :class:`LigerFsdpConfig` on the
 parsed ``FinetuningArguments`` as ``liger_fsdp_config``. Every other unknown key is still rejected by
 LLaMA-Factory. Refusals of other settings are in :mod:`.refusals`. This module imports no torch.
 """
@@ -19,9 +19,10 @@ from .args import argv_options, true_or_false, truthy
 KEYS = {
     "liger_fsdp": "true/false: compute the causal-LM loss with the fused linear cross-entropy, through the FSDP units "
     "or DeepSpeed modules that own the trained lm_head.",
-    "liger_fsdp_backend": "auto/triton_fast/triton/torch: kernel of the fused loss. auto = triton_fast on CUDA "
-    "(gradients in forward; about 3.3 GiB working memory at a 128k vocabulary, 6.6 GiB at 262k), torch elsewhere; "
-    "triton = lean (0.4-0.7 GiB, gradients recomputed in backward, 1.21-1.29x the matmul floor).",
+    "liger_fsdp_backend": "auto/triton_fast/triton/torch: kernel of the fused loss. auto = triton_fast on CUDA, torch "
+    "elsewhere; triton_fast computes the gradients in the forward (fastest; working memory grows with the "
+    "vocabulary); triton recomputes them in the backward (lean: less working memory, slower); torch = chunked "
+    "PyTorch, any device.",
     "liger_fsdp_memory_report": "true/false (default false): on step 1 (rank 0) log the memory the fused kernel "
     "really used, measured by tracking its tensor allocations; the CUDA peak-memory counters are never reset.",
     "liger_fsdp_guard": "true/false (default true): on step 1 (every rank) compare the fused loss with the model's own "
@@ -59,6 +60,11 @@ class LigerFsdpConfig:
     start_step: int = 0  # the global step a resumed run starts from (trainer_state.json of its checkpoint)
     grad_accum: int = 1  # micro-batches per optimizer step
     label_smoothing: float = 0.0  # the Trainer's label_smoothing_factor
+
+
+#: yaml key -> :class:`LigerFsdpConfig` field (a key left unset keeps the field's default).
+FIELDS = {"liger_fsdp": "enabled", "liger_fsdp_backend": "backend", "liger_fsdp_memory_report": "memory_report",
+          "liger_fsdp_checkpoint_repair": "checkpoint_repair", "liger_fsdp_guard": "guard"}
 
 
 def disabled_by_env() -> bool:
@@ -102,14 +108,10 @@ def from_mapping(values: dict[str, Any]) -> LigerFsdpConfig:
             f"{', '.join('`' + k + '`' for k in sorted(values))} set but `liger_fsdp` is not. "
             "Fix: add `liger_fsdp: true`, or remove them."
         )
-    bools = {k: _parse_bool(k, values[k]) for k in KEYS if k != "liger_fsdp_backend" and k in values}
-    return LigerFsdpConfig(
-        enabled=bools.get("liger_fsdp", False),
-        backend=_parse_backend("liger_fsdp_backend", values["liger_fsdp_backend"]) if "liger_fsdp_backend" in values else "auto",
-        memory_report=bools.get("liger_fsdp_memory_report", False),
-        checkpoint_repair=bools.get("liger_fsdp_checkpoint_repair", True),
-        guard=bools.get("liger_fsdp_guard", True),
-    )
+    parsed = {k: _parse_bool(k, values[k]) for k in KEYS if k != "liger_fsdp_backend" and k in values}
+    if "liger_fsdp_backend" in values:
+        parsed["liger_fsdp_backend"] = _parse_backend("liger_fsdp_backend", values["liger_fsdp_backend"])
+    return LigerFsdpConfig(**{FIELDS[k]: v for k, v in parsed.items() if k in FIELDS})
 
 
 def split(args: Any) -> tuple[Any, dict[str, Any]]:

@@ -273,3 +273,36 @@ def test_pyproject_never_pins_the_users_stack():
         deps = tomllib.load(f)["project"]["dependencies"]
     assert all(dep.isidentifier() or dep.replace("-", "_").isidentifier() for dep in deps), deps
     assert set(versions.MINIMUM) - {"triton"} <= set(deps)
+
+
+def test_keys_take_their_defaults_from_the_dataclass():
+    """One home for the defaults: an unset key keeps the field's default, and help text that states a default states
+    that one."""
+    import dataclasses
+    import re
+
+    defaults = {f.name: f.default for f in dataclasses.fields(config.LigerFsdpConfig)}
+    assert config.from_mapping({"liger_fsdp": True}) == config.LigerFsdpConfig(enabled=True)
+    assert set(config.FIELDS) <= set(config.KEYS) and set(config.FIELDS.values()) <= set(defaults)
+    for key, name in config.FIELDS.items():
+        stated = re.search(r"\(default (\w+)\)", config.KEYS[key])
+        assert stated is None or stated.group(1) == str(defaults[name]).lower(), key
+
+
+def test_one_reader_of_the_command_line(tmp_path):
+    """The parser's split, the refusals and the v1 launcher read a command line the same way (args.argv_values)."""
+    from llamafactory_liger_fsdp.args import true_or_false, truthy
+    from llamafactory_liger_fsdp.integration.llamafactory import v1_requested
+
+    argv = ["--stage", "sft", "--liger_fsdp", "--liger_fsdp_backend=torch", "--use_dora", "--lora_target", "lm_head"]
+    rest, ours = config.split(argv)
+    assert rest == ["--stage", "sft", "--use_dora", "--lora_target", "lm_head"]
+    assert ours == {"liger_fsdp": "true", "liger_fsdp_backend": "torch"}
+    with pytest.raises(LigerFsdpConfigError, match="DoRA"):
+        refusals.check_raw(rest)
+    cfg = tmp_path / "v1.yaml"
+    cfg.write_text("liger_fsdp: true\n")
+    assert v1_requested([str(cfg)]) and v1_requested(["--liger_fsdp"]) and v1_requested(["liger_fsdp=yes"])
+    assert not v1_requested([str(cfg), "liger_fsdp=false"]) and not v1_requested([])
+    assert [true_or_false(v) for v in (True, " False ", "yes", 1)] == [True, False, None, None]
+    assert [truthy(v) for v in ("1", "ON", True, "0", "", None)] == [True, True, True, False, False, False]
