@@ -31,7 +31,7 @@ def one(name: str, head: str, dtype: torch.dtype, inject: float | None) -> dict:
     from llamafactory_liger_fsdp.testing import make_inputs, twin
 
     texts = []
-    honest_compare, honest_loss = guard._compare, losses.causal_lm_loss
+    honest_compare, honest_loss = guard._compare, losses.HeadLoss.loss
 
     def spy(*args, **kwargs):
         bad, text = honest_compare(*args, **kwargs)
@@ -40,7 +40,7 @@ def one(name: str, head: str, dtype: torch.dtype, inject: float | None) -> dict:
 
     guard._compare = spy
     if inject:
-        losses.causal_lm_loss = lambda *a, **k: honest_loss(*a, **k) * (1 + inject)
+        losses.HeadLoss.loss = lambda self, *a, **k: honest_loss(self, *a, **k) * (1 + inject)
     try:
         _, model = twin(name, head)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -54,7 +54,7 @@ def one(name: str, head: str, dtype: torch.dtype, inject: float | None) -> dict:
         except LigerFsdpConfigError:
             stopped = True
     finally:
-        guard._compare, losses.causal_lm_loss = honest_compare, honest_loss
+        guard._compare, losses.HeadLoss.loss = honest_compare, honest_loss
     row = {"name": name, "head": head, "dtype": str(dtype)[6:], "injected": inject or 0.0, "stopped": stopped}
     hit = LINE.search(texts[0]) if texts else None
     if hit:

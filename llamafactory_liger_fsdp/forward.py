@@ -4,8 +4,12 @@ Set on the causal LM *instance* by :func:`..engage.engage`. In training with lab
 
 1. runs the decoder exactly as the original forward does (every bound argument, ``**kwargs`` included:
    pixel values, grid sizes, masks and position ids of a vision-language model pass untouched),
-2. computes the loss with :func:`..losses.causal_lm_loss` through the head strategy, and
-3. applies the family's quirks as data (:mod:`.families`: softcap, logit scale, loss variant, MoE aux).
+2. computes the loss through the loss seam (:class:`.losses.HeadLoss`: the head strategy, softcap, logit scale,
+   loss variant), and
+3. adds the family's other terms as data (:mod:`.families`: the MoE aux loss, the output's fields).
+
+The preference stages ask explicitly: :func:`token_logps` calls the whole model with a pending request, and the
+forward answers it with per-token log-probs (:meth:`.losses.HeadLoss.token_logps`) instead of logits.
 
 On the first training step with labels the exactness guard (:mod:`.guard`) compares it with the original forward.
 In eval, or without labels, the original forward runs untouched (callers may want the logits); in
@@ -14,32 +18,35 @@ training without labels that is said once (the Trainer pops them for ``label_smo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any
 
+import torch
 from torch import nn
 
-from . import families, losses, preference
+from . import families, report, transport
 from ._log import info_rank0
-from .families import Family
-from .heads import Head
+from .config import LigerFsdpConfig
+from .losses import HeadLoss
 
 
 class ForwardState:
-    """Per-model state of the fused forward: what happens on the first training step, the guard, and
-    ``label_smoothing``: when set (> 0), the loss is transformers' ``LabelSmoother(eps)(outputs, labels,
-    shift_labels=True)`` computed by the kernel -- for a caller that passes the labels instead of letting the
-    Trainer pop them (the Trainer's own smoother is then off)."""
+    """Per-model state of the fused forward: the training forwards so far (the first one logs the engaged line),
+    whether the guard is still to run, a pending log-probs request (:func:`token_logps`), and ``label_smoothing``:
+    when set (> 0), the loss is transformers' ``LabelSmoother(eps)(outputs, labels, shift_labels=True)`` computed by
+    the kernel -- for a caller that passes the labels instead of letting the Trainer pop them (the Trainer's own
+    smoother is then off)."""
 
-    def __init__(self, on_first_step: Callable[[], Callable | None] | None = None, guard: bool = True,
-                 start_step: int = 0, grad_accum: int = 1):
-        self.steps = 0  # training forwards with labels so far
-        self.on_first_step = on_first_step
-        self.guard = guard  # still to run (it defers itself while no rank has a labelled position)
-        self.start_step, self.grad_accum = start_step, max(1, grad_accum)
+    def __init__(self, config: LigerFsdpConfig):
+        self.config = config
+        self.steps = 0  # training forwards with labels so far (log-probs forwards count once, for the line)
+        self.guard = config.guard  # still to run (it defers itself while no rank has a labelled position)
+        self.start_step, self.grad_accum = config.start_step, max(1, config.grad_accum)
         self.label_smoothing = 0.0
         self.said_no_labels = False
+        self.logps_labels: torch.Tensor | None = None  # set by token_logps() for exactly one call
 
     @property
     def global_step(self) -> int:
@@ -53,16 +60,45 @@ NO_LABELS = ("[liger_fsdp] training forward without labels: the fused path is by
              "logits itself (for causal-LM classes the plugin keeps the labels and the kernel smooths).")
 
 
-def make_forward(causal_lm: nn.Module, head: Head, family: Family, backend: str | None, state: ForwardState):
+def state_of(causal_lm: nn.Module) -> ForwardState | None:
+    """The fused forward's state of an engaged causal LM (None when it is not engaged)."""
+    return getattr(causal_lm.__dict__.get("forward"), "liger_fsdp_state", None)
+
+
+@contextlib.contextmanager
+def _request(state: ForwardState, labels: torch.Tensor):
+    state.logps_labels = labels
+    try:
+        yield
+    finally:
+        state.logps_labels = None
+
+
+def token_logps(model: nn.Module, causal_lm: nn.Module, inputs: dict, labels: torch.Tensor):
+    """The preference stages' call: ``model(**inputs)`` (the whole wrapped model, so FSDP / DeepSpeed run their
+    root hooks) answered by the fused forward of ``causal_lm`` with per-token log-probs instead of logits.
+    Returns (fp32 log-probs ``[B, T-1]``, fp32 per-position logit sums ``[B, T]``, vocabulary size)."""
+    state = state_of(causal_lm)
+    with _request(state, labels):
+        out = model(**inputs, return_dict=True, use_cache=False)
+    logps, sums = transport.unpack(out)
+    return logps, sums, out.vocab_size
+
+
+def make_forward(causal_lm: nn.Module, seam: HeadLoss, state: ForwardState):
     """The replacement for ``causal_lm.forward`` (signature kept: the Trainer inspects it)."""
     original = causal_lm.forward
     signature = inspect.signature(original)
     var_kw = next((n for n, p in signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-    softcap = families.softcap(family, causal_lm.config)
-    scale = families.logit_scale(family, causal_lm.config, causal_lm)
+    family = seam.family
     decoder_attr = family.decoder or causal_lm.base_model_prefix
 
-    def fused(params: dict, extra: dict, labels, wrap_kernel=None, window=None):
+    def first_step():
+        """Count a training forward; the first one logs the engaged line (and returns the memory report's wrapper)."""
+        state.steps += 1
+        return report.first_step(causal_lm, seam, state.config) if state.steps == 1 else None
+
+    def fused(params: dict, extra: dict, labels, window=None):
         """Decoder, fused loss and the family's terms; ``window`` (rows, start, end) restricts the loss to those
         positions of those rows (the guard's slice)."""
         params, extra = dict(params), dict(extra)
@@ -73,53 +109,52 @@ def make_forward(causal_lm: nn.Module, head: Head, family: Family, backend: str 
             rows, start, end = window
             hidden, labels = hidden[rows, start:end], labels[rows, start:end]
             shift_labels = None if shift_labels is None else shift_labels[rows, start:end]
-        loss = losses.causal_lm_loss(
-            causal_lm, head, hidden, labels, kind=family.loss, shift_labels=shift_labels,
-            num_items_in_batch=extra.get("num_items_in_batch"), ignore_index=extra.get("ignore_index", -100),
-            attention_mask=params.get("attention_mask"), softcap=softcap, scale=scale,
+        loss = seam.loss(
+            hidden, labels, shift_labels=shift_labels, num_items_in_batch=extra.get("num_items_in_batch"),
+            ignore_index=extra.get("ignore_index", -100), attention_mask=params.get("attention_mask"),
             label_smoothing=state.label_smoothing if window is None else 0.0,  # the model's own loss never smooths
-            backend=backend, wrap_kernel=wrap_kernel,
         )
         return families.build_output(family, causal_lm, loss, outputs, params.get("attention_mask"), with_aux)
 
-    def logps(params: dict, extra: dict, labels):
-        """Preference stages: per-token log-probs and per-position logit sums (:mod:`.preference`), any mode."""
+    def logps(params: dict, extra: dict, labels) -> transport.LogpsOutput:
+        """Preference stages: per-token log-probs and per-position logit sums, any mode (the reference pass too)."""
         for key in ("labels", "logits_to_keep", "output_router_logits"):
             params.pop(key, None)
-        if state.steps == 0 and state.on_first_step is not None:
-            state.steps = 1
-            state.on_first_step()
+        if state.steps == 0:
+            first_step()
         outputs = getattr(causal_lm, decoder_attr)(**params, **extra)
-        token_logps, sums = preference.token_logps(causal_lm, head, outputs.last_hidden_state, labels,
-                                                   softcap=softcap, scale=scale, backend=backend)
-        return preference.pack(token_logps, sums, causal_lm.get_output_embeddings().out_features)
+        token_logps, sums = seam.token_logps(outputs.last_hidden_state, labels)
+        return transport.pack(token_logps, sums, seam.vocab_size)
+
+    def loss(params: dict, extra: dict, labels):
+        """SFT / pt: the training loss (the guard on the first step with labels on some rank)."""
+        params.pop("labels")
+        logits_to_keep = params.pop("logits_to_keep", 0)
+        if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            raise ValueError("liger_fsdp: `logits_to_keep` must be 0 when training with labels")
+        memory_report = first_step()
+        if state.guard:
+            from . import guard
+
+            state.guard = not guard.check(causal_lm, seam, original, signature, fused, params, extra, labels,
+                                          step=state.global_step)
+        seam.report = memory_report  # the real step's kernel call, not the guard's
+        return fused(params, extra, labels)
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any):
         params = dict(signature.bind_partial(*args, **kwargs).arguments)
         extra = dict(params.pop(var_kw, {}) if var_kw else {})
-        if preference.LABELS_KEY in extra:
-            return logps(params, extra, extra.pop(preference.LABELS_KEY))
+        if state.logps_labels is not None:  # token_logps() asked for this call
+            labels, state.logps_labels = state.logps_labels, None
+            return logps(params, extra, labels)
         labels = params.get("labels")
-        if not (causal_lm.training and labels is not None):
-            if causal_lm.training and not state.said_no_labels:
-                state.said_no_labels = True
-                info_rank0(NO_LABELS)
-            return original(*args, **kwargs)
-        params.pop("labels")
-        logits_to_keep = params.pop("logits_to_keep", 0)
-        if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-            raise ValueError("liger_fsdp: `logits_to_keep` must be 0 when training with labels")
-        wrap_kernel = None
-        state.steps += 1
-        if state.steps == 1 and state.on_first_step is not None:
-            wrap_kernel = state.on_first_step()
-        if state.guard:
-            from . import guard
-
-            state.guard = not guard.check(causal_lm, family, original, signature, fused, params, extra, labels,
-                                          step=state.global_step)
-        return fused(params, extra, labels, wrap_kernel)
+        if causal_lm.training and labels is not None:
+            return loss(params, extra, labels)
+        if causal_lm.training and not state.said_no_labels:
+            state.said_no_labels = True
+            info_rank0(NO_LABELS)
+        return original(*args, **kwargs)
 
     forward.liger_fsdp_state = state
     return forward

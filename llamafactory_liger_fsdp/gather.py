@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from . import thirdparty
+from . import thirdparty, transport
 
 
 def _checkpoint_inner(module: nn.Module) -> nn.Module | None:
@@ -124,41 +124,12 @@ def _redirect(unit: nn.Module, fn: Callable, args: tuple) -> Any:
         restore()
 
 
-LIMBS = "__liger_fsdp_fp32_limbs__"
-
-
-def split_fp32(t: torch.Tensor) -> tuple:
-    """An fp32 tensor as bf16 ``hi`` + ``lo`` (``lo = t - hi``): FSDP2 with accelerate's mixed precision casts
-    every floating output of a unit to bf16 (``output_dtype``), which would round a log-prob of -12 by up to 0.03;
-    ``hi`` is exact in bf16 and ``lo`` is small, so ``hi + lo`` after the cast keeps 16 bits. The gradient of the
-    sum is the identity (``lo``'s path cancels ``hi``'s), so autograd is unchanged."""
-    hi = t.to(torch.bfloat16)
-    return LIMBS, hi, t - hi.float()
-
-
-def join_fp32(value: Any) -> Any:
-    """Undo :func:`split_fp32` on a result (a tensor, a limbs tuple, or a tuple of those)."""
-    if isinstance(value, tuple) and len(value) == 3 and value[0] == LIMBS:
-        return value[1].float() + value[2].float()
-    if isinstance(value, tuple):
-        return tuple(join_fp32(v) for v in value)
-    return value
-
-
-def _split_all(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
-        return split_fp32(value)
-    if isinstance(value, tuple):
-        return tuple(_split_all(v) for v in value)
-    return value
-
-
 def call_through(found: Iterable[nn.Module], fn: Callable, *args: Any) -> Any:
     """Run ``fn(*args)`` inside the forward of every unit in ``found`` (outermost first). fp32 results cross FSDP2
-    units as :func:`split_fp32` limbs, so a unit's mixed-precision output cast does not round them."""
+    units as :func:`.transport.split_fp32` limbs, so a unit's mixed-precision output cast does not round them."""
     found = list(found)
     if any(thirdparty.is_fsdp2(u) for u in found):
-        return join_fp32(_call(found, lambda *a: _split_all(fn(*a)), args))
+        return transport.join_fp32(_call(found, lambda *a: transport.split_all(fn(*a)), args))
     return _call(found, fn, args)
 
 

@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import torch
 
-from ._log import info_rank0, rank
 from . import versions
+from ._log import info_rank0, rank
 from .config import LigerFsdpConfigError, LigerFsdpDataError
 from .fp32_head import Fp32Head
+from .losses import shifted_labels
 
 BUDGET = 256
 BOUNDS = {torch.float32: (1e-4, 1e-6), torch.float64: (1e-4, 1e-6)}
@@ -61,15 +62,19 @@ def _window(family, labels: torch.Tensor, shift_labels, ignore_index: int):
         k = min(t, max(2, BUDGET // b))
         valid = (labels[:, -k:][:, 1:] != ignore_index).sum()
         return None, t - k, t, int(valid)
-    target = (shift_labels if shift_labels is not None else labels[:, 1:]) != ignore_index  # label of hidden p
+    # the label of each hidden position; an unshifted slice [start, end) loses its last position's label to the
+    # model's own shift, so it must reach one position further
+    given = shift_labels is not None
+    target = (shift_labels if given else shifted_labels(labels, ignore_index)) != ignore_index
+    past = 0 if given else 1
     best = (0, 0, min(t, BUDGET), 0)
     for r in range(b):
         where = target[r].nonzero()
         if not where.numel():
             continue
-        end = min(t, int(where.max()) + (1 if shift_labels is not None else 2))  # includes the last labelled one
+        end = min(t, int(where.max()) + 1 + past)  # includes the last labelled one
         start = max(0, end - BUDGET)
-        n = int(target[r, start:end - (0 if shift_labels is not None else 1)].sum())
+        n = int(target[r, start:end - past].sum())
         if n > best[3]:
             best = (r, start, end, n)
     return best
@@ -186,13 +191,14 @@ def _compare(causal_lm, original, signature, fused, params, extra, labels, r, st
     return bad, ("" if bad else "exact: ") + text
 
 
-def check(causal_lm, family, original, signature, fused, params: dict, extra: dict, labels: torch.Tensor,
+def check(causal_lm, seam, original, signature, fused, params: dict, extra: dict, labels: torch.Tensor,
           step: int = 1) -> bool:
     """Compare the fused loss with the model's own on every rank; True once decided, False when no rank had a
     labelled position (check again next step). Raises on a mismatch or a data error (every rank)."""
     extra = {k: v for k, v in extra.items() if k != "num_items_in_batch"}
     ignore_index = extra.get("ignore_index", -100)
     problem = _vocab_problem(causal_lm, params, labels, extra.get("shift_labels"), ignore_index)
+    family = seam.family
     r, start, end, n = _window(family, labels, extra.get("shift_labels"), ignore_index)
     data_rank, any_labels = _all_max([rank() + 1 if problem else 0, 1 if n else 0], labels.device)
     if data_rank:

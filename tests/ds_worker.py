@@ -109,7 +109,7 @@ def _liger(ref, cand):
     apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True)
     reference = causal_lm_of(ref)
     reference.forward = types.MethodType(original, reference)
-    return SimpleNamespace(head=heads.detect(causal_lm_of(cand))), lambda causal_lm, done: "Liger's own fused loss"
+    return SimpleNamespace(head=heads.detect(causal_lm_of(cand))), lambda causal_lm, seam, config: "Liger's own fused loss"
 
 
 def _engage_bf16(cand, stage: int, seen: list):
@@ -137,7 +137,8 @@ def run_case(case: str, rank: int, world: int) -> dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-    from llamafactory_liger_fsdp.engage import causal_lm_of, engage, engaged_line
+    from llamafactory_liger_fsdp.engage import causal_lm_of, engage
+    from llamafactory_liger_fsdp.report import engaged_line
     from llamafactory_liger_fsdp.testing import make_batch, make_model, make_peft, rel
 
     family, kind, stage, *rest = case.split(":")
@@ -183,7 +184,7 @@ def run_case(case: str, rank: int, world: int) -> dict:
             result["empty_step_grads"] = {"finite": all(bool(torch.isfinite(g).all()) for g in grads if g is not None),
                                           "zero": all(not g.any() for g in grads if g is not None)}
         if step == 0:
-            result["engaged"] = engaged_line(causal_lm, done)
+            result["engaged"] = engaged_line(causal_lm, getattr(done, "seam", None), getattr(done, "config", None))
             result["loss_rel"] = abs(float(loss) - ref_losses[rank]) / abs(ref_losses[rank])
             ref_named = dict(ref.named_parameters())
             grads = {n: safe_get_full_grad(p) for n, p in trainable}

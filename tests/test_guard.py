@@ -70,8 +70,8 @@ def test_catches_an_injected_one_percent_error(name, head, dtype, monkeypatch):
     """The size of error Liger's own loss makes with a LoRA head under ZeRO-3: a 16-bit run must not pass it."""
     from llamafactory_liger_fsdp import losses
 
-    honest = losses.causal_lm_loss
-    monkeypatch.setattr(losses, "causal_lm_loss", lambda *a, **k: honest(*a, **k) * 1.01)
+    honest = losses.HeadLoss.loss
+    monkeypatch.setattr(losses.HeadLoss, "loss", lambda self, *a, **k: honest(self, *a, **k) * 1.01)
     _, cand = twin(name, head)
     cand.to(dtype)
     engage(cand, backend="torch")

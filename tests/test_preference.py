@@ -178,18 +178,16 @@ def test_no_logits_are_built():
     """After the forward (what stays alive until backward), the fused path holds the [N, V] logits less than
     LLaMA-Factory's ``model(...).logits.to(float32)`` (measured by allocation tracking; 90%: the fused path keeps a
     few small per-row tensors of its own)."""
-    from llamafactory_liger_fsdp import preference
+    from llamafactory_liger_fsdp import engage, forward
 
     plain, fused = _twins("mts")
     batch = _pairs(pairs=4, seq=32)
     labels = batch.pop("labels")
     with LiveBytes() as fused_live:
-        out = fused(**batch, **{preference.LABELS_KEY: labels})
+        logps, sums, vocab_size = forward.token_logps(fused, engage.causal_lm_of(fused), batch, labels)
     with LiveBytes() as plain_live:
         logits = plain(**batch).logits.to(torch.float32)
-    assert not hasattr(out, "logits") or out.logits is None
-    logps, sums = preference.unpack(out)
-    assert logps.shape == (8, 31) and sums.shape == (8, 32) and out.vocab_size == VOCAB
+    assert logps.shape == (8, 31) and sums.shape == (8, 32) and vocab_size == VOCAB
     logits_bytes = logits.numel() * 4
     assert plain_live.live - fused_live.live >= 0.9 * logits_bytes, (plain_live.live, fused_live.live, logits_bytes)
 
@@ -198,11 +196,11 @@ def test_fp32_results_survive_a_bf16_output_cast():
     """FSDP2 under accelerate's bf16 casts every floating output of a unit (and the root) to bf16: a per-token
     log-prob of about -12 would move by up to 0.03. Carried as two parts it keeps 16 bits; the gradient is what any
     cast output gets (the incoming gradient in bf16), not doubled or lost."""
-    from llamafactory_liger_fsdp import gather
+    from llamafactory_liger_fsdp import transport
 
     x = (-12 * torch.rand(4096, dtype=torch.float64)).float().requires_grad_()
-    marker, hi, lo = gather.split_fp32(x)
-    cast = gather.join_fp32((marker, hi.to(torch.bfloat16), lo.to(torch.bfloat16)))  # what the unit hands back
+    marker, hi, lo = transport.split_fp32(x)
+    cast = transport.join_fp32((marker, hi.to(torch.bfloat16), lo.to(torch.bfloat16)))  # what the unit hands back
     assert (cast - x).abs().max().item() <= 12 * 2.0**-16
     assert (x.to(torch.bfloat16).float() - x).abs().max().item() > 12 * 2.0**-12  # a plain cast loses far more
     weights = torch.randn(4096)

@@ -6,7 +6,7 @@ a DPO or KTO run engages (:func:`patch_stage`), the one of its stage only.
 8. ``llamafactory.train.kto.trainer.CustomKTOTrainer.forward`` (KTO)
 
 Each replacement is LLaMA-Factory 0.9.5's method with ``model(...).logits`` + ``get_batch_logps`` replaced by the
-model's fused forward (:mod:`..preference`): the policy, the LoRA-as-reference pass (PEFT's ``disable_adapter()``:
+model's fused forward (:func:`..forward.token_logps`; LLaMA-Factory's sequence sums in :mod:`..preference`): the policy, the LoRA-as-reference pass (PEFT's ``disable_adapter()``:
 the head strategy switches to the base weights) and a separate ``ref_model`` (engaged on first use, frozen head,
 forward-only kernel under ``no_grad``). ``logits/chosen``/``logits/rejected`` (DPO: ``logits.mean()``) come out as
 per-sequence means of the full logits -- every sequence of a batch has the same ``T x V`` count, so their mean is
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _patch, config, preference
+from .. import _patch, config, forward, preference
 from .._log import info_rank0
 
 
@@ -39,8 +39,11 @@ def _fused_model(trainer: Any, model: Any) -> bool:
     return done is not None
 
 
-def _call(model: Any, inputs: dict, labels: Any):
-    return model(**inputs, return_dict=True, use_cache=False, **{preference.LABELS_KEY: labels})
+def _logps(trainer: Any, model: Any, inputs: dict, labels: Any):
+    """(per-token log-probs, per-position logit sums, vocabulary size) from the fused forward (:mod:`..forward`)."""
+    from .. import engage
+
+    return forward.token_logps(model, engage.causal_lm_of(trainer.accelerator.unwrap_model(model)), inputs, labels)
 
 
 def patch_dpo(module: Any) -> None:
@@ -55,15 +58,14 @@ def patch_dpo(module: Any) -> None:
             if self.finetuning_args.use_ref_model:
                 batch = nested_detach(batch, clone=True)
             labels = batch.pop("labels")
-            out = _call(model, batch, labels)
-            token_logps, sums = preference.unpack(out)
+            token_logps, sums, vocab_size = _logps(self, model, batch, labels)
             ld_alpha = self.ld_alpha if not is_ref_model else None
             all_logps, valid_length = preference.sequence_logps(token_logps, labels, ld_alpha=ld_alpha)
             if self.loss_type in ["ipo", "orpo", "simpo"]:
                 all_logps = all_logps / valid_length
             batch_size = batch["input_ids"].size(0) // 2
             chosen_logps, rejected_logps = all_logps.split(batch_size, dim=0)
-            means = sums.sum(-1) / (sums.shape[-1] * out.vocab_size)  # = logits.mean() per row
+            means = sums.sum(-1) / (sums.shape[-1] * vocab_size)  # = logits.mean() per row
             chosen_logits, rejected_logits = means.split(batch_size, dim=0)
             chosen_length, _ = valid_length.split(batch_size, dim=0)
             average = self.loss_type in ["ipo", "orpo", "simpo"]
@@ -99,7 +101,7 @@ def patch_kto(module: Any) -> None:
             inputs = {name: batch[f"{prefix}{name}" if prefixed else name] for name, prefixed in _KTO_INPUTS
                       if (f"{prefix}{name}" if prefixed else name) in batch}
             labels = batch[f"{prefix}labels"]
-            token_logps, sums = preference.unpack(_call(model, inputs, labels))
+            token_logps, sums, _ = _logps(self, model, inputs, labels)
             logps, valid_length = preference.sequence_logps(token_logps, labels)
             return sums.sum(-1), logps, logps / valid_length  # logits.nansum() per row, as LF logs it
 

@@ -1,0 +1,62 @@
+"""What the run says about itself on its first training step (rank 0): the engaged line, and the memory report's
+kernel wrapper when ``liger_fsdp_memory_report`` asks for it. Called by :mod:`.forward`; reads the live model
+(its units, its sharding), so the line says what really happens, not what was planned.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from . import families, gather, sharding, thirdparty
+from ._log import info_rank0, rank
+from .config import LigerFsdpConfig
+from .losses import HeadLoss, resolve_backend
+
+
+def first_step(causal_lm: nn.Module, seam: HeadLoss, config: LigerFsdpConfig):
+    """Log the engaged line; return the memory report's kernel wrapper when it was asked for (else None)."""
+    info_rank0(engaged_line(causal_lm, seam, config))
+    if config.memory_report and rank() == 0:
+        from .diagnostics import MemoryReport
+
+        return MemoryReport(seam.vocab_size)
+    return None
+
+
+def sharding_label(decided, seen: str | None) -> str:
+    """The decided sharding, checked against what the live model is (``sharding.observed``)."""
+    if decided is None:
+        if seen:
+            return seen
+        dist = torch.distributed
+        return "DDP" if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else "none"
+    if decided.kind in (sharding.FSDP1, sharding.FSDP2) or (decided.kind == sharding.DEEPSPEED and decided.zero_stage == 3):
+        return decided.label if seen else f"{decided.label} asked for, but the model is not sharded"
+    return seen or decided.label
+
+
+def engaged_line(causal_lm: nn.Module, seam: HeadLoss, config: LigerFsdpConfig) -> str:
+    head = seam.head
+    found = list({id(u): u for p in head.weight_paths for u in gather.units(causal_lm, p)}.values())
+    seen = sharding.observed(causal_lm)
+    label = sharding_label(config.sharding, seen)
+    # the kernel's device, without reading `.weight` (gather.param); a flat FSDP1 head has no parameter of its own
+    first = next(itertools.chain(causal_lm.get_output_embeddings().parameters(), causal_lm.parameters()), None)
+    backend = resolve_backend(config.backend, first.device if first is not None else torch.device("cpu"))
+    if found:
+        names = ", ".join(gather.unit_names(causal_lm, found))
+        if any(thirdparty.is_fsdp1(u) or thirdparty.is_fsdp2(u) for u in found):
+            where = f"through {len(found)} FSDP unit(s) ({names})"
+        else:
+            where = f"through DeepSpeed's gather hooks of {len(found)} module(s) ({names})"
+    elif seen in ("FSDP1", "FSDP2"):
+        where = "inside the root unit"
+    else:
+        where = "on the whole (unpartitioned) head weight"
+    quirks = families.describe(seam.family, causal_lm.config, causal_lm)
+    return (f"[liger_fsdp] engaged: {head.describe()}, sharding={label}, backend={backend}, "
+            f"model={seam.family.model_type} ({type(causal_lm).__name__}; quirks: {', '.join(quirks) or 'none'}), "
+            f"guard={'on' if config.guard else 'off'}; loss computed {where}")
