@@ -1,35 +1,36 @@
-"""Every point where the plugin touches third-party code. Each patch is guarded by a signature check,
-recorded in :mod:`.._patch`, logged once on rank 0 when the flag is on, and undone by :func:`unpatch`.
+"""Every point where the plugin touches third-party code, grouped by what it patches. Each patch is guarded by a
+signature check, recorded in :mod:`.._patch`, logged once on rank 0 when the flag is on, and undone by
+:func:`unpatch`.
 
-LLaMA-Factory (:mod:`.llamafactory`, patched by the import hook right after each module executes):
+LLaMA-Factory, always (:mod:`.llamafactory`, patched by the import hook right after each module executes):
 
-1. ``llamafactory.hparams.parser._parse_args`` -- takes the ``liger_fsdp*`` keys out before
-   ``HfArgumentParser`` sees them, validates them, decides the run's sharding once and runs the
-   refusals (:mod:`..refusals`); hangs the config on ``FinetuningArguments``.
-2. ``llamafactory.hparams.parser.get_train_args`` -- never resume from a half-written checkpoint.
-3. ``llamafactory.model.loader.load_model`` -- after LLaMA-Factory built the (PEFT) model,
-   :func:`..engage.engage` sets the fused forward and tags the head's FSDP units.
-4. ``llamafactory.launcher.launch`` -- ``llamafactory-cli train``'s launching process checks what the
-   yaml alone decides before any rank starts (one error, printed once, last); ``llamafactory.v1.launcher.launch``
-   (``USE_V1=1``, the v1 engine, which never calls ``load_model``) refuses ``liger_fsdp`` the same way.
+* ``llamafactory.hparams.parser._parse_args`` -- takes the ``liger_fsdp*`` keys out before
+  ``HfArgumentParser`` sees them, validates them, decides the run's sharding once and runs the
+  refusals (:mod:`..refusals`); hangs the config on ``FinetuningArguments``.
+* ``llamafactory.hparams.parser.get_train_args`` -- never resume from a half-written checkpoint.
+* ``llamafactory.model.loader.load_model`` -- after LLaMA-Factory built the (PEFT) model,
+  :func:`..engage.engage` sets the fused forward and tags the head's FSDP units.
+* ``llamafactory.launcher.launch`` -- ``llamafactory-cli train``'s launching process checks what the
+  yaml alone decides before any rank starts (one error, printed once, last); ``llamafactory.v1.launcher.launch``
+  (``USE_V1=1``, the v1 engine, which never calls ``load_model``) refuses ``liger_fsdp`` the same way.
 
-Everything below is patched by :func:`.llamafactory.engage_model` only when this run needs it, recorded on the
+The other groups are patched by :func:`.llamafactory.engage_model` only when this run needs it, recorded on the
 engaged model and undone by :func:`..engage.disengage`:
 
 accelerate (:mod:`.accelerate`, once a model engaged under FSDP1 or FSDP2, that version's function only):
 
-5. ``FullyShardedDataParallelPlugin.set_auto_wrap_policy`` (FSDP1) or
-   ``fsdp_utils.fsdp2_prepare_auto_wrap_policy`` (FSDP2) -- the tagged head modules become units.
+* ``FullyShardedDataParallelPlugin.set_auto_wrap_policy`` (FSDP1) or
+  ``fsdp_utils.fsdp2_prepare_auto_wrap_policy`` (FSDP2) -- the tagged head modules become units.
 
 transformers (:mod:`.trainer`):
 
-6. ``transformers.trainer.save_fsdp_model`` / ``load_fsdp_model`` -- FSDP2 + adapter, where the installed accelerate
-   needs it (:mod:`..checkpoint.repair`), whether or not the loss engages.
-9. ``transformers.Trainer.__init__`` -- only with ``label_smoothing_factor > 0``: the kernel smooths, the labels stay.
+* ``transformers.trainer.save_fsdp_model`` / ``load_fsdp_model`` -- FSDP2 + adapter, where the installed accelerate
+  needs it (:mod:`..checkpoint.repair`), whether or not the loss engages.
+* ``transformers.Trainer.__init__`` -- only with ``label_smoothing_factor > 0``: the kernel smooths, the labels stay.
 
 LLaMA-Factory's preference trainers (:mod:`.preference`, a DPO or KTO run, its own stage's only):
 
-7. ``CustomDPOTrainer.concatenated_forward`` and 8. ``CustomKTOTrainer.forward`` -- log-probs from the fused kernel.
+* ``CustomDPOTrainer.concatenated_forward`` and ``CustomKTOTrainer.forward`` -- log-probs from the fused kernel.
 
 Liger-Kernel: with ``enable_liger_kernel: true`` LLaMA-Factory still applies Liger's kernels (RMSNorm,
 RoPE, SwiGLU); Liger's fused loss lives in the *class* ``forward`` it installs, ours is set on the

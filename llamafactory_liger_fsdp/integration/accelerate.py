@@ -1,5 +1,5 @@
-"""Patch 5 of :mod:`.` : accelerate's FSDP1 or FSDP2 wrapping puts each tagged head module in its own unit (the
-function of this run's FSDP version only)."""
+"""The accelerate patch of :mod:`.` : accelerate's FSDP1 or FSDP2 wrapping puts each tagged head module in its own
+unit (the function of this run's FSDP version only)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Patches 1-4 of :mod:`.` : LLaMA-Factory's parser, loader and launchers (the default engine's and v1's)."""
+"""The LLaMA-Factory patches of :mod:`.` that are always in place: its parser, loader and launchers (the default
+engine's and v1's)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _log_disabled(ours: dict) -> None:
                             "run trains as without the plugin.")
 
 
-# --------------------------------------------------------------------------- 1./2. the parser
+# --------------------------------------------------------------------------- the parser
 def config_from_args(raw: Any) -> tuple[Any, config.LigerFsdpConfig]:
     """The raw arguments without our keys, and our validated config (off when disabled by the env; misspelled
     keys are an error either way)."""
@@ -98,7 +99,7 @@ def patch_parser(parser_module: Any) -> None:
     _patch.apply(parser_module, "get_train_args", make_train, "never resume from a half-written checkpoint")
 
 
-# --------------------------------------------------------------------------- 3. the model
+# --------------------------------------------------------------------------- the model
 def read_model_config(model_args: Any):
     """The model's config (no weights), read as LLaMA-Factory's loader reads it: training's family check and
     ``doctor``'s dry run (:mod:`..predict`) read it here, once each."""
@@ -178,7 +179,7 @@ def engage_model(model: Any, cfg: config.LigerFsdpConfig, finetuning_args: Any =
     return done
 
 
-# --------------------------------------------------------------------------- 4. the launcher
+# --------------------------------------------------------------------------- the launcher
 def precheck(raw: Any) -> None:
     """What the yaml alone decides, checked in the launching process (same rules as in every rank)."""
     rest, cfg = config_from_args(raw)
@@ -223,7 +224,7 @@ def patch_launcher(launcher_module: Any) -> None:
     _patch.apply(launcher_module, "launch", make, "refuse what the yaml alone decides before any rank starts")
 
 
-# --------------------------------------------------------------------------- 4b. the v1 engine's launcher
+# --------------------------------------------------------------------------- the v1 engine's launcher
 V1_COMMANDS = ("train", "sft", "dpo", "rm")
 
 

@@ -1,9 +1,9 @@
-"""Patches 7-8 of :mod:`.` : LLaMA-Factory's preference trainers take log-probs from the fused kernel, patched when
-a DPO or KTO run engages (:func:`patch_stage`), the one of its stage only.
+"""The patches of :mod:`.` to LLaMA-Factory's preference trainers: they take log-probs from the fused kernel, patched
+when a DPO or KTO run engages (:func:`patch_stage`), the one of its stage only.
 
-7. ``llamafactory.train.dpo.trainer.CustomDPOTrainer.concatenated_forward`` (DPO, IPO, hinge, kto_pair, ORPO, SimPO,
-   with ``pref_ftx``, ``ld_alpha``, ``dpo_label_smoothing``)
-8. ``llamafactory.train.kto.trainer.CustomKTOTrainer.forward`` (KTO)
+* ``llamafactory.train.dpo.trainer.CustomDPOTrainer.concatenated_forward`` (DPO, IPO, hinge, kto_pair, ORPO, SimPO,
+  with ``pref_ftx``, ``ld_alpha``, ``dpo_label_smoothing``)
+* ``llamafactory.train.kto.trainer.CustomKTOTrainer.forward`` (KTO)
 
 Each replacement is LLaMA-Factory 0.9.5's method with ``model(...).logits`` + ``get_batch_logps`` replaced by the
 model's fused forward (:func:`..forward.token_logps`; LLaMA-Factory's sequence sums in :mod:`..preference`): the policy, the LoRA-as-reference pass (PEFT's ``disable_adapter()``:

@@ -1,8 +1,9 @@
-"""Patches 6 and 9 of :mod:`.` : transformers' Trainer, each applied only when this run needs it.
+"""The transformers patches of :mod:`.` : the Trainer's, each applied only when this run needs it.
 
-6. FSDP2 adapter checkpoints as full tensors (:mod:`..checkpoint.repair`), where the installed accelerate loses them
-   and ``liger_fsdp_checkpoint_repair`` is on -- whether or not the fused loss engages.
-9. ``Trainer.__init__`` only with ``label_smoothing_factor > 0``: the kernel smooths, the labels stay.
+* :func:`patch_checkpointing` -- FSDP2 adapter checkpoints as full tensors (:mod:`..checkpoint.repair`), where the
+  installed accelerate loses them and ``liger_fsdp_checkpoint_repair`` is on -- whether or not the fused loss engages.
+* :func:`patch_label_smoothing` -- ``Trainer.__init__`` only with ``label_smoothing_factor > 0``: the kernel smooths,
+  the labels stay.
 
 Each function returns the undo callables of what it patched (for :func:`...engage.disengage`).
 """
@@ -46,7 +47,7 @@ def patch_checkpointing(cfg: Any) -> list[Callable[[], None]]:
 
 
 def patch_label_smoothing() -> list[Callable[[], None]]:
-    """Patch 9: ``transformers.Trainer.__init__`` -- with ``label_smoothing_factor > 0`` the Trainer pops the labels
+    """``transformers.Trainer.__init__`` -- with ``label_smoothing_factor > 0`` the Trainer pops the labels
     and smooths the full logits itself (``LabelSmoother``); for an engaged causal LM the fused kernel computes the
     same smoothed loss instead (the labels stay with the model, the Trainer's smoother is switched off for it).
     Only for the classes the Trainer itself smooths with ``shift_labels=True`` (its causal-LM mapping); any other
