@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from importlib import metadata
 
 from . import refusals
+from . import versions as policy
 
 PACKAGES = ("torch", "triton", "transformers", "peft", "accelerate", "deepspeed", "llamafactory", "liger-kernel",
             "llamafactory-liger-fsdp")
@@ -26,13 +26,7 @@ INACTIVE_FIX = ("run `python -m llamafactory_liger_fsdp train <yaml>` instead of
 
 
 def versions() -> dict[str, str | None]:
-    out = {}
-    for name in PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    return {name: policy.installed(name) for name in PACKAGES}
 
 
 HOOK_CHECK = ("import sys; b = sys.modules.get('llamafactory_liger_fsdp._bootstrap'); "
@@ -165,8 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     print("llamafactory-liger-fsdp doctor")
     for name, version in versions().items():
         print(f"  {name:24s} {version or 'not installed'}")
-    from . import versions as policy
-
     if policy.too_old():
         print(f"  too old for the plugin (refused with liger_fsdp: true): {', '.join(policy.too_old())}")
     if policy.untested():
