@@ -85,6 +85,11 @@ def _parse(version: str) -> Version | None:
         return None
 
 
+def at_least(version: str, release: str) -> bool:
+    """``version >= release`` (PEP 440; ``1.15.0.dev0`` is before ``1.15.0``)."""
+    return Version(version) >= Version(release)
+
+
 def _newer(version: Version, newest: str) -> bool:
     top = Version(newest)
     if top.is_prerelease or top.is_devrelease:

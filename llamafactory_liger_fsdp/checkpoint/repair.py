@@ -35,9 +35,10 @@ FIXED_IN = "1.15.0"  # first accelerate release that saves FSDP2 adapters as ful
 def needed() -> bool:
     """Whether the installed accelerate loses FSDP2 adapter checkpoints."""
     import accelerate
-    from packaging.version import Version
 
-    return Version(accelerate.__version__) < Version(FIXED_IN)
+    from .. import versions
+
+    return not versions.at_least(accelerate.__version__, FIXED_IN)
 
 
 def _handles(fsdp_plugin: Any, model: Any, adapter_only: bool) -> bool:
