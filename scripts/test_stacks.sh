@@ -74,7 +74,7 @@ build() {  # build STACK VENV: the user's install, then the test extras (which m
 }
 
 run_stack() {  # called without `||` around it, so `set -e` holds inside; the two pytest runs both run
-  local stack=$1 key v t0=$SECONDS rc=0 out
+  local stack=$1 key v t0=$SECONDS rc=0 out would
   shift
   key=$( { echo "$stack $EXTRAS"; [ "$stack" != main ] || ls "$SHARED"/llamafactory-main/LLaMA-Factory-*.tar.gz; } | sha256sum | cut -c1-12)
   v="$CACHE/venv-$stack-$key"
@@ -82,7 +82,13 @@ run_stack() {  # called without `||` around it, so `set -e` holds inside; the tw
     build "$stack" "$v"
     touch "$v/.built"
   fi
-  # the plugin, as a user installs it (with its dependencies): the stack must not move
+  # the plugin, as a user installs it (with its dependencies): the stack must not move, for `pip install .` (what
+  # pip would do) and `pip install -e .` (done)
+  would=$("$v/bin/python" -m pip install --dry-run "$ROOT" 2>/dev/null | grep "^Would install" || true)
+  if [ "$would" != "Would install llamafactory-liger-fsdp-$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)" ]; then
+    echo "test_stacks.sh: pip install . would change the $stack stack: $would" >&2
+    exit 1
+  fi
   "$v/bin/python" -m pip install -q -e "$ROOT"
   if ! versions "$v" | diff -u "$v/stack.txt" - >&2; then
     echo "test_stacks.sh: installing the plugin changed the $stack stack" >&2
