@@ -15,16 +15,14 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import tempfile
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from support.dist import finish, reference_step  # noqa: E402
+from support.dist import reference_step, spawn  # noqa: E402
 
 STEPS = 3
 LR = 0.05
@@ -202,23 +200,15 @@ def run_case(case: str, mode: str, rank: int, world: int) -> dict:
     return result
 
 
-def _worker(rank: int, world: int, init_file: str, mode: str, cases: list[str], out: str) -> None:
-    os.environ["RANK"] = str(rank)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _rank(rank: int, world: int, mode: str, cases: list[str]) -> list[dict]:
     results = []
     for case in cases:
         try:
             results.append(run_case(case, mode, rank, world))
         except Exception:
             results.append({"case": case, "mode": mode, "error": traceback.format_exc()})
-    finish(results, out)
-
-
-def run(mode: str, cases: list[str], out: str, world: int = 2) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, os.path.join(tmp, "init"), mode, cases, out), nprocs=world, start_method="spawn")
+    return results
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], sys.argv[3:], sys.argv[2])
+    spawn(_rank, (sys.argv[1], sys.argv[3:]), out=sys.argv[2])

@@ -3,18 +3,12 @@ FSDP2 (fully_shard) and DDP, against the unsharded single-process unfused refere
 
 One worker job per mode runs every case (tests/fsdp_worker.py); each test checks one case."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from support.dist import assert_parity
+from support.dist import assert_parity, every_rank, launch
 
 pytestmark = pytest.mark.slow
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 FAMILIES = ["llama", "qwen2", "qwen2_tied"]
 HEADS = ["mts", "lora", "full"]
 CASES = [f"{f}:{h}" for f in FAMILIES for h in HEADS]
@@ -32,14 +26,7 @@ def results(tmp_path_factory):
         if mode not in cache:
             out = tmp_path_factory.mktemp(mode) / "out.json"
             cases = DDP_CASES if mode == "ddp" else CASES
-            env = dict(os.environ, OMP_NUM_THREADS="1")
-            proc = subprocess.run(
-                [sys.executable, os.path.join(HERE, "fsdp_worker.py"), mode, str(out), *cases],
-                capture_output=True, text=True, timeout=900, env=env,
-            )
-            assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-            ranks = json.loads(out.read_text())
-            cache[mode] = ranks
+            cache[mode] = every_rank(launch("fsdp_worker.py", mode, out, *cases, timeout=900), out)
         return cache[mode]
 
     return get

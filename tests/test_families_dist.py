@@ -3,16 +3,12 @@
 single-process reference (fp32, rel <= 1e-5). The step-1 guard runs on every rank (on by default) and its
 all-reduced verdict must pass. The worker feeds each family its own batches (images for Qwen2-VL)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from support.dist import every_rank, launch
 
 pytestmark = pytest.mark.slow
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = {"fsdp2": ["qwen2_vl:mts", "qwen2_vl:lora", "qwen3_moe:mts", "mixtral:lora", "phi:mts"],
          "fsdp1_flat": ["qwen2_vl:mts", "qwen3_moe:lora", "phi:mts"]}
 TOL = 1e-5
@@ -20,10 +16,8 @@ TOL = 1e-5
 
 def _run(mode, tmp_path):
     out = tmp_path / f"{mode}.json"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "fsdp_worker.py"), mode, str(out), *CASES[mode]],
-                          capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return json.loads(out.read_text()), proc.stderr
+    proc = launch("fsdp_worker.py", mode, out, *CASES[mode], timeout=900)
+    return every_rank(proc, out), proc.stderr
 
 
 @pytest.mark.parametrize("mode", sorted(CASES))
