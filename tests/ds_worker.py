@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import sys
 import traceback
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from support.dist import finish, reference_step  # noqa: E402
+from support.dist import reference_step, spawn  # noqa: E402
 
 STEPS = 3
 LR = 0.05
@@ -210,30 +208,20 @@ def run_case(case: str, rank: int, world: int) -> dict:
     return result
 
 
-def _worker(rank: int, world: int, port: int, cases: list[str], out: str) -> None:
+def _rank(rank: int, world: int, cases: list[str]) -> list[dict]:
     if any(case.endswith(":liger") for case in cases):
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: Liger's kernel on CPU tensors
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
-    torch.set_num_threads(1)
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="gloo")  # from the environment spawn gives every rank
     results = []
     for case in cases:
         try:
             results.append(run_case(case, rank, world))
         except Exception:
             results.append({"case": case, "error": traceback.format_exc()})
-    finish(results, out)
-
-
-def run(cases: list[str], out: str, world: int = 2) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, port, cases, out), nprocs=world, start_method="spawn")
+    return results
 
 
 if __name__ == "__main__":
-    run(sys.argv[2:], sys.argv[1])
+    spawn(_rank, (sys.argv[2:],), out=sys.argv[1], init=False, env={"CUDA_VISIBLE_DEVICES": ""})

@@ -1,19 +1,13 @@
 """Real 2-process DeepSpeed (gloo, CPU): ZeRO-3 (with and without CPU offload), ZeRO-2, ZeRO-1 and ZeRO-0 against
 the unsharded single-process unfused reference (fp32). One worker job runs every case (tests/ds_worker.py)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from support.dist import assert_parity
+from support.dist import assert_parity, every_rank, launch
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = ["llama:mts:3", "llama:lora:3", "llama:full:3", "qwen2_tied:full:3", "qwen2:mts:3:both",
          "llama:mts:2", "llama:lora:2", "qwen2_tied:full:2", "llama:mts:1", "qwen2:lora:0",
          "llama:lora:3:empty"]  # step 2 without a labelled token on any rank: the parameters after it still agree
@@ -23,11 +17,7 @@ TOL = 1e-5
 def _worker(tmp_path_factory, name, cases):
     """Every rank's results of one tests/ds_worker.py job (2 gloo ranks)."""
     out = tmp_path_factory.mktemp(name) / "out.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "ds_worker.py"), str(out), *cases],
-                          capture_output=True, text=True, timeout=1200, env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return json.loads(out.read_text())
+    return every_rank(launch("ds_worker.py", out, *cases, timeout=1200, env={"CUDA_VISIBLE_DEVICES": ""}), out)
 
 
 @pytest.fixture(scope="module")
