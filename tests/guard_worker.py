@@ -7,8 +7,8 @@ Cases (each on a fresh model, every rank):
   and pass ("exact"), and the step must train.
 * ``labels_on_one_rank``: rank 0's micro-batch has no labelled position, rank 1's has: checked on step 1, not deferred.
 * ``fails_on_one_rank`` (alone in its run): the model's own forward raises on rank 1 only: rank 1 leaves with its own
-  error unchanged (a note says where), no collective after it, and the launcher (here ``mp.start_processes``) stops
-  rank 0 -- no hang, no mismatched collective.
+  error unchanged (a note says where), no collective after it, and the launcher (here ``support.dist.spawn``, through
+  ``torch.multiprocessing``) stops rank 0 -- no hang, no mismatched collective.
 * ``bad_ids_on_one_rank``: a token id beyond the embedding on rank 1 only: every rank stops with the data error.
 
 Run: python tests/guard_worker.py OUT.json CASE [CASE ...]
@@ -17,17 +17,15 @@ Run: python tests/guard_worker.py OUT.json CASE [CASE ...]
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from support.dist import finish  # noqa: E402
+from support.dist import spawn  # noqa: E402
 
 
 def _sharded(mixed: bool):
@@ -95,11 +93,7 @@ def run_case(case: str, rank: int) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, cases: list[str], out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(rank: int, world: int, cases: list[str]) -> list[dict]:
     results = []
     for case in cases:
         if case == "fails_on_one_rank":  # as in training: the error leaves the process (no collective after it)
@@ -113,11 +107,8 @@ def _worker(rank: int, world: int, port: int, cases: list[str], out: str) -> Non
             results.append(run_case(case, rank))
         except Exception:
             results.append({"case": case, "worker_error": traceback.format_exc()})
-    finish(results, out)
+    return results
 
 
 if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(2, port, sys.argv[2:], sys.argv[1]), nprocs=2, start_method="spawn")
+    spawn(_rank, (sys.argv[2:],), out=sys.argv[1])

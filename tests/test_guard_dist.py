@@ -3,29 +3,22 @@ precision (its fp32 head mode leaves FSDP2's own casts of the shards alone), che
 labels, a data error on one rank stops every rank, and a failure of the model's own forward on one rank leaves that
 rank with its own error while the launcher stops the other -- within seconds, no mismatched collective."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
+from support.dist import every_rank, launch
+
 pytestmark = pytest.mark.slow
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _worker(out, *cases):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, os.path.join(HERE, "guard_worker.py"), str(out), *cases], capture_output=True,
-                          text=True, timeout=300, env=env)
+    return launch("guard_worker.py", out, *cases, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("guard") / "out.json"
     proc = _worker(out, "mixed", "labels_on_one_rank", "bad_ids_on_one_rank")
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return [{r["case"]: r for r in rank} for rank in json.loads(out.read_text())]
+    return [{r["case"]: r for r in rank} for rank in every_rank(proc, out)]
 
 
 def test_bf16_mixed_precision_exact(ranks):
