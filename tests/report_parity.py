@@ -15,12 +15,13 @@ A report script of the test suite (not collected by pytest; the tests assert the
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # this file's own directory: test_dist_parity's case list
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # this file's own directory: test_dist_parity's case list, support
+
+from support.dist import launch  # noqa: E402
 
 
 def single():
@@ -51,8 +52,7 @@ def sharded():
         cases = DDP_CASES if mode == "ddp" else CASES
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "out.json")
-            proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "fsdp_worker.py"), mode, out, *cases],
-                                  capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            proc = launch("fsdp_worker.py", mode, out, *cases, timeout=None)
             if proc.returncode:
                 raise SystemExit(proc.stderr[-3000:])
             ranks = json.load(open(out))
@@ -72,9 +72,7 @@ def deepspeed():
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "ds_worker.py"), out, *CASES, *BF16],
-                              capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1",
-                                                                       CUDA_VISIBLE_DEVICES=""))
+        proc = launch("ds_worker.py", out, *CASES, *BF16, timeout=None, env={"CUDA_VISIBLE_DEVICES": ""})
         if proc.returncode:
             raise SystemExit(proc.stderr[-3000:])
         ranks = json.load(open(out))

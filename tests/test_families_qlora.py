@@ -4,15 +4,14 @@ FSDP2 on 2 gloo ranks (4-bit with ``bnb_4bit_quant_storage`` fp32, as LLaMA-Fact
 it; this file is its own worker); a quantized head stays refused. Skipped where bitsandbytes is not installed (it
 is not in requirements-cpu.txt; bitsandbytes 0.50.2's CPU backend runs these)."""
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 bnb = pytest.importorskip("bitsandbytes")
+
+from support.dist import every_rank, launch, spawn  # noqa: E402
 
 from llamafactory_liger_fsdp.config import LigerFsdpConfigError  # noqa: E402
 from llamafactory_liger_fsdp.engage import engage  # noqa: E402
@@ -57,16 +56,12 @@ def test_quantized_head_refused(saved, kind):
         engage(model, backend="torch")
 
 
-def _rank(rank, world, init, path, out):
-    import torch.distributed as dist
+def _rank(rank, world, path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from llamafactory_liger_fsdp import wrapping
 
-    os.environ["RANK"] = str(rank)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     ref, cand = make_peft(_load(path, 4), "mts"), make_peft(_load(path, 4), "mts")
     ref.train(), cand.train()
     engage(cand, backend="torch")
@@ -82,28 +77,19 @@ def _rank(rank, world, init, path, out):
     named = dict(ref.named_parameters())
     grads = {n: rel(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad, named[n].grad)
              for n, p in cand.named_parameters() if p.grad is not None}
-    result = dict(loss_rel=abs(loss.item() - ref(**batches[rank]).loss.item()) / loss.item(), grads=grads)
-    from support.dist import finish
-
-    finish(result, out)
+    return dict(loss_rel=abs(loss.item() - ref(**batches[rank]).loss.item()) / loss.item(), grads=grads)
 
 
 @pytest.mark.slow
 def test_qlora_fsdp2_two_ranks(saved, tmp_path):
     out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, __file__, str(saved), str(out)], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0 and "guard: step 1 exact" in proc.stderr, proc.stderr[-6000:]
-    for result in json.loads(out.read_text()):
+    proc = launch(__file__, saved, out, timeout=600)  # this file is its own launcher (below)
+    ranks = every_rank(proc, out)
+    assert "guard: step 1 exact" in proc.stderr, proc.stderr[-6000:]
+    for result in ranks:
         assert result["loss_rel"] <= 1e-5 and len(result["grads"]) > 20, result
         assert max(result["grads"].values()) <= 1e-5, result
 
 
 if __name__ == "__main__":
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(2, os.path.join(tmp, "init"), sys.argv[1], sys.argv[2]), nprocs=2,
-                           start_method="spawn")
+    spawn(_rank, (sys.argv[1],), out=sys.argv[2])

@@ -59,10 +59,10 @@ def _rank(rank: int, fn, world: int, port: int, args: tuple, init: bool, env: di
     torch.set_num_threads(1)
     if init:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    finish(fn(rank, world, *args), out)
+    _finish(fn(rank, world, *args), out)
 
 
-def finish(results, out: str) -> None:
+def _finish(results, out: str) -> None:
     """Gather every rank's results to rank 0's ``out``, leave the last collective together, and exit without C++
     static destructors: a rank that tears gloo down while its peer still has a pending send/recv thread aborts with
     "terminate called without an active exception" (seen in CI); everything worth keeping is written first."""
