@@ -204,7 +204,7 @@ def main():
         rows.append({"shape": [m, k, n], "impl": "cublas", "ms": ms, "tflops": flop / ms / 1e9, **meta})
         print(json.dumps(rows[-1]), flush=True)
         # what a fused epilogue replaces: cuBLAS then the loss's own statistics pass over z
-        from llamafactory_liger_fsdp.ops.triton_flce import _chunk_stats
+        from llamafactory_liger_fsdp.ops.triton_kernels import chunk_stats as _chunk_stats
 
         y = torch.randint(0, n, (m,), device="cuda")
         ms2 = cuda_ms(lambda: (torch.mm(a, b.t(), out_dtype=torch.float32, out=out), _chunk_stats(out, y, None, 0.0)),

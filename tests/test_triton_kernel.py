@@ -14,8 +14,9 @@ import pytest
 import torch
 from support.kernel import StorageTrace, inputs, plain_torch, reference, run
 
-from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy, triton_flce
-from llamafactory_liger_fsdp.ops.triton_flce import fused_linear_cross_entropy_triton, lean_bytes, plan_tiles
+from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy, triton_common, triton_kernels, triton_lean
+from llamafactory_liger_fsdp.ops.triton_flce import fused_linear_cross_entropy_triton
+from llamafactory_liger_fsdp.ops.triton_lean import lean_bytes, plan_tiles
 from llamafactory_liger_fsdp.testing import rel
 
 TILES = [None, (7, 16, 5), (64, 64, 9), (3, 1000, 100)]  # (c, v_s, R): None planned; others: R < N_v, many slabs
@@ -109,7 +110,7 @@ def test_grad_output_rounded_once(backend):
 
 @pytest.mark.parametrize("softcap,eps", [(None, 0.0), (2.5, 0.1)])
 def test_statistics_pass_against_torch(softcap, eps):
-    """``_chunk_stats`` (one exp per logit, the target logit loaded once per row) against torch in float64 on rows
+    """``chunk_stats`` (one exp per logit, the target logit loaded once per row) against torch in float64 on rows
     that stress the running max: the max first, last, repeated (ties), a huge spread, one column past a block, a
     constant row; labels at both ends of the vocabulary."""
     g = torch.Generator().manual_seed(11)
@@ -122,7 +123,7 @@ def test_statistics_pass_against_torch(softcap, eps):
     z[4] = 1.5  # constant
     z = z.float()
     y = torch.tensor([0, v - 1, 7, 1000, 3, 2048])
-    m, s, t, zs = triton_flce._chunk_stats(z, y, softcap, eps)
+    m, s, t, zs = triton_kernels.chunk_stats(z, y, softcap, eps)
     zc = z.double() if softcap is None else softcap * torch.tanh(z.double() / softcap)
     ref_m = zc.max(dim=1).values
     assert rel(m, ref_m) <= 1e-7
@@ -164,16 +165,16 @@ def test_lean_memory_within_budget(monkeypatch, reduction):
     n, h_dim, v = 300, 32, 1000
     h, w, y = inputs(n, h_dim, v, torch.bfloat16, seed=7)
     n_valid = int((y != -100).sum())
-    monkeypatch.setattr(triton_flce, "MIN_TILE", 16)
+    monkeypatch.setattr(triton_lean, "MIN_TILE", 16)
     budget = lean_bytes(n_valid, h_dim, 128, 64, need_h=True, need_w=True, gather=True, row_scaled=reduction == "none")
     v_s, r = plan_tiles(n_valid, h_dim, v, row_scaled=reduction == "none", mem_budget=budget)
     assert v_s < v and r < n_valid  # the budget does constrain the tiles
     g = torch.rand(n) + 0.5 if reduction == "none" else None
     fwd, bwd = StorageTrace(), StorageTrace()
-    fwd.emulate_gpu(monkeypatch, triton_flce)
+    fwd.emulate_gpu(monkeypatch, triton_common)
     with fwd:
         loss = fused_linear_cross_entropy_triton(h, w, y, reduction=reduction, mem_budget=budget)
-    bwd.emulate_gpu(monkeypatch, triton_flce)
+    bwd.emulate_gpu(monkeypatch, triton_common)
     with bwd:
         loss.backward(g)
     assert 0 < fwd.peak() <= budget
@@ -193,7 +194,7 @@ def test_scale_cast_is_torch_mul_bitwise(dtype, per_row, scatter):
     src[0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2.0**-140])  # bf16 ties; a subnormal
     scale = torch.rand(37, generator=g) + 0.5 if per_row else torch.tensor(0.37)
     rows = torch.randperm(50, generator=g)[:37] if scatter else None
-    out = triton_flce._scale_cast(src, scale, torch.zeros(50 if scatter else 37, 70, dtype=dtype), rows)
+    out = triton_kernels.scale_cast(src, scale, torch.zeros(50 if scatter else 37, 70, dtype=dtype), rows)
     want = torch.zeros_like(out)
     prod = torch.mul(src, scale.unsqueeze(1) if per_row else scale).to(dtype)
     if scatter:
@@ -215,8 +216,8 @@ class _SyncLog:
         self.events, self.on = [], False
         for owner, name in self.SYNCS:
             monkeypatch.setattr(owner, name, self._wrap(getattr(owner, name), "sync:" + name))
-        for name in ("_mm_f32", "_addmm_f32_"):
-            monkeypatch.setattr(triton_flce, name, self._wrap(getattr(triton_flce, name), "mm"))
+        for name in ("mm_f32", "addmm_f32_"):
+            monkeypatch.setattr(triton_common, name, self._wrap(getattr(triton_common, name), "mm"))
 
     def _wrap(self, fn, tag):
         def logged(*a, **k):
@@ -262,7 +263,7 @@ def test_fast_memory_model(monkeypatch):
     n_valid = int((y != -100).sum())
     c = 32
     fwd = StorageTrace()
-    fwd.emulate_gpu(monkeypatch, triton_flce)
+    fwd.emulate_gpu(monkeypatch, triton_common)
     with fwd:
         loss = fused_linear_cross_entropy_triton(h, w, y, fast=True, tiles=(c, 0, 0))
     # + per-row vectors: lse, loss, target logit, indices and the target term's sorted index (built before the GEMMs)
@@ -284,9 +285,9 @@ def test_fast_per_row_keeps_dz(monkeypatch):
     grads = {}
     for store in (True, False):
         monkeypatch.setattr(triton_rows, "FAST_STORE_MAX_BYTES", 2 * n_valid * v if store else 2 * n_valid * v - 1)
-        monkeypatch.setattr(triton_rows, "default_chunk", lambda _v: c)
+        monkeypatch.setattr(triton_common, "default_chunk", lambda _v: c)
         track = StorageTrace()
-        track.emulate_gpu(monkeypatch, triton_flce)
+        track.emulate_gpu(monkeypatch, triton_common)
         hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
         with track:
             loss = fused_linear_cross_entropy(hh, ww, y, backend="triton_fast", reduction="none")
@@ -315,7 +316,7 @@ def test_frozen_weight_columns_at_the_rounding_floor(monkeypatch, path):
     reduction = "none" if path == "rows" else "mean"
     g = torch.rand(n, generator=torch.Generator().manual_seed(4)) + 0.5 if path == "rows" else None
     track = StorageTrace()
-    track.emulate_gpu(monkeypatch, triton_flce)
+    track.emulate_gpu(monkeypatch, triton_common)
     with track:
         loss, dh, dw = run(fused_linear_cross_entropy, h, w, y, grad_rows=g, reduction=reduction,
                            backend="triton" if path == "lean" else "triton_fast", frozen_weight=frozen)
@@ -337,9 +338,9 @@ def test_fast_per_row_frozen_head_keeps_nothing(monkeypatch):
     n_valid = int((y != -100).sum())
     g = torch.rand(n, generator=torch.Generator().manual_seed(3)) * 3 + 0.1
     monkeypatch.setattr(triton_rows, "FAST_STORE_MAX_BYTES", 0)
-    monkeypatch.setattr(triton_rows, "default_chunk", lambda _v: c)
+    monkeypatch.setattr(triton_common, "default_chunk", lambda _v: c)
     track = StorageTrace()
-    track.emulate_gpu(monkeypatch, triton_flce)
+    track.emulate_gpu(monkeypatch, triton_common)
     hh = h.detach().clone().requires_grad_()
     with track:
         loss = fused_linear_cross_entropy(hh, w.detach(), y, backend="triton_fast", reduction="none")
@@ -362,7 +363,7 @@ def test_forward_only_when_no_gradient_is_needed(monkeypatch, fast, mode):
     if mode == "inputs_without_grad":
         h, w = h.detach(), w.detach()
     log = StorageTrace()
-    log.emulate_gpu(monkeypatch, triton_flce)
+    log.emulate_gpu(monkeypatch, triton_common)
     with log:
         if mode == "no_grad":
             with torch.no_grad():
@@ -382,4 +383,4 @@ def test_plan_prefers_low_traffic_within_budget():
         nv = n * 3 // 4
         v_s, r = plan_tiles(nv, h, v)
         mem = lean_bytes(nv, h, v_s, r, need_h=True, need_w=True, gather=True)
-        assert mem <= triton_flce.DEFAULT_MEM_BUDGET and v_s >= 2048 and r >= 2048
+        assert mem <= triton_lean.DEFAULT_MEM_BUDGET and v_s >= 2048 and r >= 2048

@@ -186,8 +186,8 @@ class StorageTrace:
                 acc.addmm_(a.float(), b.float())
             self.mm_flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
 
-        monkeypatch.setattr(module, "_mm_f32", mm_f32)
-        monkeypatch.setattr(module, "_addmm_f32_", addmm_f32_)
+        monkeypatch.setattr(module, "mm_f32", mm_f32)
+        monkeypatch.setattr(module, "addmm_f32_", addmm_f32_)
 
 
 class OpLog:
