@@ -64,17 +64,17 @@ def make_impl(name):
         backend = "triton" if name == "project" else "triton_fast"
         return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend=backend)
     if name.startswith("project_budget"):  # the lean path with another budget (MiB) [and widest slab]: project_budget1024_slab16384
-        from llamafactory_liger_fsdp.ops import triton_flce
+        from llamafactory_liger_fsdp.ops import triton_common, triton_flce
 
         budget, _, slab = name[len("project_budget"):].partition("_slab")
 
         def lean(h, w, y):  # tiles are planned in forward only
-            old = triton_flce.MAX_SLAB
-            triton_flce.MAX_SLAB = int(slab or old)
+            old = triton_common.MAX_SLAB
+            triton_common.MAX_SLAB = int(slab or old)
             try:
                 return triton_flce.fused_linear_cross_entropy_triton(h, w, y, mem_budget=int(budget) * MIB)
             finally:
-                triton_flce.MAX_SLAB = old
+                triton_common.MAX_SLAB = old
 
         return lean
     if name.startswith("project_fast_c"):  # the fast path with another row chunk: project_fast_c2048

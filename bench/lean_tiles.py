@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.bench_flce import _meta, cuda_ms, make_inputs  # noqa: E402
-from llamafactory_liger_fsdp.ops import triton_flce as tf  # noqa: E402
+from llamafactory_liger_fsdp.ops import triton_common, triton_flce, triton_lean  # noqa: E402
 
 MIB = 1024 * 1024
 
@@ -33,15 +33,15 @@ def main():
     rows, meta = [], _meta()  # card, date, versions on every row
     for slab in (8192, 16384, 32768):
         for budget_gib in (1.0, 1.5, 2.0):
-            tf.MAX_SLAB = slab
+            triton_common.MAX_SLAB = slab
             budget = int(budget_gib * 1024 * MIB)
-            v_s, r = tf.plan_tiles(n_valid, hd, v, mem_budget=budget)
+            v_s, r = triton_lean.plan_tiles(n_valid, hd, v, mem_budget=budget)
             h = hidden.clone().requires_grad_()
             w = weight.clone().requires_grad_()
 
             def once():
                 h.grad = w.grad = None
-                tf.fused_linear_cross_entropy_triton(h, w, y, mem_budget=budget).backward()
+                triton_flce.fused_linear_cross_entropy_triton(h, w, y, mem_budget=budget).backward()
 
             ms = cuda_ms(once, 7)
             h.grad = w.grad = None

@@ -28,12 +28,12 @@ STALLS = ("cudaMalloc", "cudaFree", "cudaStreamSynchronize", "cudaDeviceSynchron
 
 def impl(name):
     if name.startswith("project_fast"):
-        from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy, triton_flce
+        from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy, triton_common
 
-        rows = int(name.split("@")[1]) if "@" in name else triton_flce.FAST_CHUNK_ROWS
+        rows = int(name.split("@")[1]) if "@" in name else triton_common.FAST_CHUNK_ROWS
 
         def fn(h, w, y):
-            triton_flce.FAST_CHUNK_ROWS = rows
+            triton_common.FAST_CHUNK_ROWS = rows
             return fused_linear_cross_entropy(h, w, y, backend="triton_fast")
 
         return fn

@@ -30,11 +30,11 @@ def _ev():
 
 
 def measure(fn, h, w, y, reps):
-    from llamafactory_liger_fsdp.ops import triton_flce
+    from llamafactory_liger_fsdp.ops import triton_common
 
     out = {"cold": [], "cold_after_idle": [], "hidden": [], "host_to_first_gemm_ms": [], "gpu_to_first_gemm_ms": [],
            "host_forward_ms": [], "gpu_first_gemm_to_end_ms": []}
-    real_mm = triton_flce._mm_f32
+    real_mm = triton_common.mm_f32
     mark = {}
 
     def mm(*a, **k):
@@ -44,7 +44,7 @@ def measure(fn, h, w, y, reps):
             mark["ev"].record()
         return real_mm(*a, **k)
 
-    triton_flce._mm_f32 = mm
+    triton_common.mm_f32 = mm
     try:
         for _ in range(reps):
             for mode in ("cold", "cold_after_idle", "hidden"):
@@ -70,7 +70,7 @@ def measure(fn, h, w, y, reps):
                     out["gpu_first_gemm_to_end_ms"].append(mark["ev"].elapsed_time(b))
                     out["host_forward_ms"].append((t1 - t0) * 1e3)
     finally:
-        triton_flce._mm_f32 = real_mm
+        triton_common.mm_f32 = real_mm
     return {k: statistics.median(v) for k, v in out.items() if v}
 
 

@@ -1,6 +1,6 @@
-"""The statistics pass alone (``triton_flce._chunk_stats``: max, sum exp, target logit per row of fp32 logits) and
+"""The statistics pass alone (``triton_kernels.chunk_stats``: max, sum exp, target logit per row of fp32 logits) and
 the in-place dz pass beside it, on one fast-path chunk's logits: ms and GB/s read (+ written), so the pass's distance
-from HBM bandwidth shows. ``--old MODULE`` also times another implementation of ``_chunk_stats`` (an earlier kernel)
+from HBM bandwidth shows. ``--old MODULE`` also times another implementation of ``chunk_stats`` (an earlier kernel)
 and checks the two agree bitwise. Rows to JSON.
 
     python bench/stats_pass.py --out bench/results/h200_stats_pass.json [--old bench/_old_stats.py]
@@ -26,9 +26,9 @@ def main():
     ap.add_argument("--old", default=None)
     args = ap.parse_args()
     from bench.bench_flce import _meta, cuda_ms
-    from llamafactory_liger_fsdp.ops import triton_flce as tf
+    from llamafactory_liger_fsdp.ops import triton_kernels as tk
 
-    impls = {"current": tf._chunk_stats}
+    impls = {"current": tk.chunk_stats}
     if args.old:
         spec = importlib.util.spec_from_file_location("old_stats", args.old)
         old = importlib.util.module_from_spec(spec)
@@ -58,9 +58,9 @@ def main():
                 rows.append({"pass": "stats", "check": "current vs old", "rows": c, "V": v, "softcap": sc,
                              "bitwise_equal": same, "max_rel_diff": rel, **meta})
                 print(json.dumps(rows[-1]), flush=True)
-        m, s, _, _ = tf._chunk_stats(z, y, None, 0.0)
-        dz = tf._dz_over(z, torch.bfloat16)
-        ms = cuda_ms(lambda: tf._launch_dz_inplace(z, dz, m, 1.0 / s, None, 0.0, v, 1.0), reps=20, warmup=3)
+        m, s, _, _ = tk.chunk_stats(z, y, None, 0.0)
+        dz = tk.dz_over(z, torch.bfloat16)
+        ms = cuda_ms(lambda: tk.launch_dz_inplace(z, dz, m, 1.0 / s, None, 0.0, v, 1.0), reps=20, warmup=3)
         rows.append({"pass": "dz_inplace", "impl": "current", "rows": c, "V": v, "ms": ms,
                      "gb_per_s": gb * 1.5 / ms * 1e3, **meta})
         print(json.dumps(rows[-1]), flush=True)
