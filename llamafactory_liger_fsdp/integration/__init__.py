@@ -43,11 +43,7 @@ from typing import Any
 
 from .. import _patch
 from .._log import info_rank0
-
 from ..hooked import LAUNCHER, LOADER, PARSER, V1_LAUNCHER
-
-DPO = "llamafactory.train.dpo.trainer"
-KTO = "llamafactory.train.kto.trainer"
 
 
 def on_module_loaded(name: str, module: Any) -> None:

@@ -114,7 +114,7 @@ def patch_stage(stage: str) -> list:
     """Patch the trainer of this run's preference stage (only that one); the undo callables."""
     import importlib
 
-    from . import DPO, KTO
+    from ..hooked import DPO, KTO
 
     name, patcher = {"dpo": (DPO, patch_dpo), "kto": (KTO, patch_kto)}[stage]
     patch = patcher(importlib.import_module(name))
