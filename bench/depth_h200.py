@@ -418,7 +418,10 @@ def cell(rows, sharding, variant, cutoff):
     bad = runs_of(rows, sharding, variant, cutoff, fits=False)
     if ok:
         tps = "/".join(f"{r['tokens_per_s'] / 1e3:.2f}k" for r in ok)
-        return f"{tps} @{statistics.median(r['peak_gib'] for r in ok):.1f}" + (f" (+{len(bad)} failed)" if bad else "")
+        steps = {r["steps"] for r in ok}
+        usual = statistics.mode(r["steps"] for r in rows)
+        return (f"{tps} @{statistics.median(r['peak_gib'] for r in ok):.1f}" + (f" (+{len(bad)} failed)" if bad else "")
+                + (f" ({'/'.join(map(str, sorted(steps)))} steps)" if steps != {usual} else ""))
     if bad:
         err = bad[-1]["error"] or ""
         return "OOM" if "out of memory" in err.lower() or "OutOfMemory" in err else "fails"
@@ -513,14 +516,16 @@ def plot(rows, ladder, folder, smoke):
             ax.barh(i, math.log2(c), color=COLORS[v])
             peak = median_of(rows, "peak_gib", "fsdp2", v, c)
             tps = median_of(rows, "tokens_per_s", "fsdp2", v, c)
-            ax.text(math.log2(c) + 0.05, i, f"{short(c)}: {tps / 1e3:.2f}k tok/s, {peak:.1f} GiB", va="center",
-                    fontsize=8)
         above = [c for c in fail if not fit or c > max(fit)]
         if above:
             ax.plot(math.log2(min(above)), i, "rx", markersize=9)
+        if fit:
+            note = f"; {short(min(above))} does not fit" if above else ""
+            ax.text(math.log2(max([c] + above[:1])) + 0.2, i, f"{short(c)}: {tps / 1e3:.2f}k tok/s, {peak:.1f} GiB{note}",
+                    va="center", fontsize=8)
     ax.set_yticks(range(len(variants)), variants)
     ax.set_xticks([math.log2(c) for c in ladder], [short(c) for c in ladder])
-    ax.set_xlim(math.log2(ladder[0]) - 0.5, math.log2(ladder[-1]) + 2.2)
+    ax.set_xlim(math.log2(ladder[0]) - 0.5, math.log2(ladder[-1]) + 3.2)
     ax.invert_yaxis()
     ax.set_xlabel("longest cutoff_len that trains (x: first that does not)")
     ax.set_title("Llama-3-8B, 32 layers, FSDP2, one H200: longest context" + (" (smoke)" if smoke else ""), fontsize=10)
@@ -543,7 +548,7 @@ def plot(rows, ladder, folder, smoke):
     for ax in (a1, a2):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ladder, [short(c) for c in ladder])
-        ax.set_xlabel("cutoff_len (packed tokens a step)")
+        ax.set_xlabel("cutoff_len (packed tokens a step; lines join the cutoffs run)")
         ax.grid(alpha=0.3)
     if not smoke:
         a2.axhline(140.4, color="k", lw=0.8, ls=":")
