@@ -65,6 +65,7 @@ VARIANTS = {
     "plugin+liger": ("liger+liger_fsdp", {}),
     "plugin-lean": ("liger_fsdp", {}),  # liger_fsdp_backend: triton
     "plugin-lean+liger": ("liger+liger_fsdp", {"liger_fsdp_backend": "triton"}),
+    "plugin-noguard": ("liger_fsdp_noguard", {}),  # liger_fsdp_guard: false (step 1's time without the guard)
 }
 MAIN4 = ("plain", "liger", "plugin", "plugin+liger")
 PAIRS = (("plain", "plugin"), ("liger", "plugin+liger"))  # the speed targets' pairs
@@ -496,7 +497,7 @@ def targets(rows, ladder):
 
 
 COLORS = {"plain": "tab:gray", "liger": "tab:orange", "plugin": "tab:blue", "plugin+liger": "tab:green",
-          "plugin-lean": "tab:cyan", "plugin-lean+liger": "tab:olive"}
+          "plugin-lean": "tab:cyan", "plugin-lean+liger": "tab:olive", "plugin-noguard": "tab:purple"}
 
 
 def plot(rows, ladder, folder, smoke):
