@@ -23,30 +23,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import platform
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import MIB, dump_json, gpu_meta, make_inputs, matmul_tflops
+from llamafactory_liger_fsdp.testing import rel
 
 SHAPES = [
     (8192, 4096, 128256), (16384, 4096, 128256), (16384, 3584, 152064),
     (32768, 4096, 128256), (8192, 8192, 128256), (8192, 3840, 262208),
 ]
 IMPLS = ["project", "project_fast", "liger", "cce", "torch", "torch_compile"]
-MIB = 1024 * 1024
 T0 = time.time()
-
-
-def _dump(path, obj):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 # --------------------------------------------------------------------------- implementations
@@ -102,37 +93,6 @@ def make_impl(name):
 
 
 # --------------------------------------------------------------------------- helpers
-def matmul_tflops(n=8192, reps=10):
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        a @ b
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return 2 * n**3 / (statistics.median(times) * 1e-3) / 1e12
-
-
-def cuda_ms(fn, reps=10, warmup=2):
-    """Median CUDA-event milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` (synchronised each call)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
 def matmul_tflops_sustained(n=8192, reps=40):
     """The same GEMM back to back for ~60 ms (no sync between): the rate under the sustained load a fused kernel's
     GEMMs see (clocks drop under power limits), beside :func:`matmul_tflops`'s short bursts."""
@@ -148,15 +108,6 @@ def matmul_tflops_sustained(n=8192, reps=40):
     e.record()
     torch.cuda.synchronize()
     return 2 * n**3 * reps / (s.elapsed_time(e) * 1e-3) / 1e12
-
-
-def make_inputs(n, h, v, seed=0, dtype=torch.bfloat16, ignore=0.25, scale=1.0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    hidden = (torch.randn(n, h, device="cuda", generator=g, dtype=torch.float32) * scale).to(dtype)
-    weight = (torch.randn(v, h, device="cuda", generator=g, dtype=torch.float32) * (2.0 / math.sqrt(h))).to(dtype)
-    y = torch.randint(0, v, (n,), device="cuda", generator=g)
-    y[torch.rand(n, device="cuda", generator=g) < ignore] = -100
-    return hidden, weight, y
 
 
 def _ce(z, y, reduction, eps, grad_rows, n_valid):
@@ -192,11 +143,6 @@ def reference(hidden, weight, y, dtype=torch.float32, chunk=2048, softcap=None, 
         losses.append(loss.double())
     loss = torch.cat(losses) if reduction == "none" else sum(losses)
     return loss, dh, w.grad
-
-
-def rel(a, b):
-    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def run_once(fn, h, w, y):
@@ -324,7 +270,7 @@ def check(out_rows, out_path):
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             out_rows.append(row)
             print("check", json.dumps(row), flush=True)
-            _dump(out_path, out_rows)
+            dump_json(out_path, out_rows)
         del hidden, weight, ref, plain
         torch.cuda.empty_cache()
     _extra_checks(out_rows, out_path)
@@ -377,23 +323,7 @@ def _extra_checks(out_rows, out_path):
                    "forward_ms": statistics.median(times), "forward_peak_mib": peak}
             out_rows.append(row)
             print("check", json.dumps(row), flush=True)
-    _dump(out_path, out_rows)
-
-
-def _meta():
-    meta = {"card": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-            "python": platform.python_version()}
-    for mod in ("triton", "liger_kernel", "cut_cross_entropy", "transformers"):
-        try:
-            meta[mod] = __import__(mod).__version__
-        except Exception:
-            from importlib.metadata import version
-
-            try:
-                meta[mod] = version(mod.replace("_", "-"))
-            except Exception:
-                meta[mod] = None
-    return meta
+    dump_json(out_path, out_rows)
 
 
 def main():
@@ -408,17 +338,17 @@ def main():
     ap.add_argument("--check", action="store_true", help="real-size correctness of every backend")
     args = ap.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    meta = _meta()
+    meta = gpu_meta()
     if args.check:
         rows = []
         check(rows, args.out)
-        _dump(args.out, {"meta": meta, "checks": rows})
+        dump_json(args.out, {"meta": meta, "checks": rows})
         return
     rate = matmul_tflops()
     meta["bf16_matmul_tflops"] = rate
     meta["bf16_matmul_tflops_sustained"] = sustained = matmul_tflops_sustained()
     print(f"# {meta}", flush=True)
-    _dump(args.out.replace(".json", "_meta.json"), meta)
+    dump_json(args.out.replace(".json", "_meta.json"), meta)
     rows = []
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
     for shape in shapes:
@@ -437,7 +367,7 @@ def main():
                         row["x_valid_floor_sustained"] = row["ms"] / (row["floor_valid_ms"] * rate / sustained)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                _dump(args.out, rows)
+                dump_json(args.out, rows)
             del ref
             torch.cuda.empty_cache()
     print(f"\n{'impl':14s} {'N x H x V':22s} {'ign':>4s} {'ms':>8s} {'floor_v':>7s} {'x_v':>5s} {'MiB':>8s} {'MiB+g':>8s} {'err_dx':>8s} {'err_dw':>8s}")

@@ -1,6 +1,18 @@
-"""Helpers shared by the newer bench scripts (bench/depth_h200.py): the fields every row carries (UTC date, the card
-as nvidia-smi names it, package versions), a ``{"rows": [...]}`` JSON file appended to atomically, and the real-size
-model build of bench/real_size_sft.py with the depth and ``max_position_embeddings`` chosen (its build() fixes 32768).
+"""What the bench scripts share; no script imports another script. Run a script as ``python bench/x.py`` from the
+repository root: Python puts the script's own folder first on the module path, so this module imports as ``common``
+(the package ``llamafactory_liger_fsdp`` is installed, or on PYTHONPATH as bench/run_h200.sh sets it). Nothing here
+imports torch at import time, so a caller that must not hold a CUDA context (bench/depth_h200.py) can use it.
+
+* paths: ``ROOT`` (the repository), ``MAKE_ASSETS`` (recipes/tiny_cpu/make_assets.py), ``MIB``
+* row fields: :func:`now` (UTC, seconds), :func:`versions` (package versions), :func:`card` (nvidia-smi's name, no
+  torch), :func:`gpu_meta` (the kernel benches' card / date / versions fields, through torch)
+* JSON: :func:`dump_json` (atomic), :func:`load_rows` / :func:`save_rows` / :func:`append_row` (``{"rows": [...]}``;
+  a bare list is read too)
+* GPU timing and inputs: :func:`cuda_ms`, :func:`matmul_tflops`, :func:`make_inputs` (hidden, head, labels of the
+  fused loss), :func:`flce_impl` (a fused-loss implementation by name)
+* LLaMA-Factory runs: ``MODELS`` (real-head shapes), ``VARIANTS`` (yaml keys per variant), :func:`build` (a model
+  with random weights + tiny data), :func:`run` (one torchrun launch of bench/lf_bench_launch.py -> its row),
+  :func:`log_line`, :func:`error_line`, ``ZERO3`` / :func:`ds_json` (the DeepSpeed json)
 
     python bench/common.py build WORK NAME --layers 32 --max-position 131072 --rows 1400 --answer-words 300 500
 
@@ -13,14 +25,23 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
+import platform
+import re
+import statistics
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAKE_ASSETS = os.path.join(ROOT, "recipes", "tiny_cpu", "make_assets.py")
+MIB = 1024 * 1024
 DISTS = ("torch", "triton", "transformers", "peft", "accelerate", "deepspeed", "llamafactory", "liger_kernel", "trl",
          "datasets", "llamafactory_liger_fsdp")
+
+
+# ---------------------------------------------------------------------------------------------------------- row fields
 
 
 def now() -> str:
@@ -51,6 +72,37 @@ def card() -> str:
     return line or "cpu"
 
 
+def gpu_meta() -> dict:
+    """The fields the kernel benches put on every row (or in their ``_meta`` file): card (torch's name of GPU 0),
+    date, torch, python, and triton / liger_kernel / cut_cross_entropy / transformers (None when absent)."""
+    import torch
+
+    meta = {"card": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+            "python": platform.python_version()}
+    for mod in ("triton", "liger_kernel", "cut_cross_entropy", "transformers"):
+        try:
+            meta[mod] = __import__(mod).__version__
+        except Exception:
+            from importlib.metadata import version
+
+            try:
+                meta[mod] = version(mod.replace("_", "-"))
+            except Exception:
+                meta[mod] = None
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------------------- JSON
+
+
+def dump_json(path: str, obj) -> None:
+    """``obj`` to ``path`` (indent 1), written to a temporary file first and moved into place."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def load_rows(path: str) -> list:
     """The rows of a ``{"rows": [...]}`` file (a bare list is read too); [] when there is none."""
     if not os.path.exists(path):
@@ -60,21 +112,113 @@ def load_rows(path: str) -> list:
 
 
 def save_rows(path: str, rows: list) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump({"rows": rows}, f, indent=1)
-    os.replace(path + ".tmp", path)
+    dump_json(path, {"rows": rows})
 
 
 def append_row(path: str, row: dict) -> None:
     save_rows(path, load_rows(path) + [row])
 
 
-def build_model(work: str, name: str, spec: dict, layers: int, *, max_position: int, rows: int,
-                answer_words: tuple[int, int]) -> str:
-    """bench/real_size_sft.build with the depth and max_position_embeddings given: tokenizer + data from
-    recipes/tiny_cpu/make_assets.py, the model from its config with random weights on the GPU, bf16, untied head,
-    saved once under WORK/NAME/model (kept: a later call on the same machine reuses it)."""
+# ---------------------------------------------------------------------------------------------------------- GPU timing
+
+
+def cuda_ms(fn, reps=10, warmup=2):
+    """Median CUDA-event milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` (synchronised each call)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def matmul_tflops(n=8192, reps=10):
+    """This card's bf16 matmul rate (n^3 GEMM, 3 warm-ups, median of ``reps`` short bursts), TFLOP/s."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n**3 / (cuda_ms(lambda: a @ b, reps=reps, warmup=3) * 1e-3) / 1e12
+
+
+def make_inputs(n, h, v, seed=0, dtype=None, ignore=0.25, scale=1.0):
+    """Hidden states ``[n, h]`` (N(0, 1) x ``scale``), a head ``[v, h]`` (N(0, 4 / h)), both in ``dtype`` (default
+    bf16), and labels with a fraction ``ignore`` set to -100; on the GPU, from a generator seeded with ``seed``."""
+    import torch
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = (torch.randn(n, h, device="cuda", generator=g, dtype=torch.float32) * scale).to(dtype)
+    weight = (torch.randn(v, h, device="cuda", generator=g, dtype=torch.float32) * (2.0 / math.sqrt(h))).to(dtype)
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    y[torch.rand(n, device="cuda", generator=g) < ignore] = -100
+    return hidden, weight, y
+
+
+def flce_impl(name):
+    """A fused-loss call ``fn(h, w, y) -> loss`` by name: ``project_fast`` (``triton_fast``; ``project_fast@R``: R rows
+    a chunk), ``project`` (lean ``triton``), ``liger`` (Liger's fused loss), ``torch`` (unfused)."""
+    import torch
+
+    if name.startswith("project_fast"):
+        from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy, triton_common
+
+        rows = int(name.split("@")[1]) if "@" in name else triton_common.FAST_CHUNK_ROWS
+
+        def fn(h, w, y):
+            triton_common.FAST_CHUNK_ROWS = rows
+            return fused_linear_cross_entropy(h, w, y, backend="triton_fast")
+
+        return fn
+    if name == "project":
+        from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
+
+        return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend="triton")
+    if name == "liger":
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        loss = LigerFusedLinearCrossEntropyLoss()
+        return lambda h, w, y: loss(w, h, y)
+    if name == "torch":
+        return lambda h, w, y: torch.nn.functional.cross_entropy((h @ w.t()).float(), y)
+    raise ValueError(name)
+
+
+# ---------------------------------------------------------------------------------------------------------- LLaMA-Factory runs
+
+MODELS = {
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, layer="LlamaDecoderLayer"),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0, layer="Qwen2DecoderLayer"),
+}
+VARIANTS = {
+    "plain": {},
+    "liger_fsdp_auto": {"liger_fsdp": True},  # the default backend (auto: triton_fast on CUDA, torch on CPU)
+    "liger_fsdp": {"liger_fsdp": True, "liger_fsdp_backend": "triton"},
+    "liger_fsdp_fast": {"liger_fsdp": True, "liger_fsdp_backend": "triton_fast"},
+    "liger": {"enable_liger_kernel": True},
+    "liger+liger_fsdp": {"enable_liger_kernel": True, "liger_fsdp": True},  # Liger's other kernels, our loss
+    "liger_fsdp_noguard": {"liger_fsdp": True, "liger_fsdp_guard": False},  # the step-1 guard's cost
+}
+ZERO3 = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+         "gradient_clipping": "auto", "zero_allow_untested_optimizer": True, "bf16": {"enabled": "auto"},
+         "zero_optimization": {"stage": 3, "overlap_comm": False, "contiguous_gradients": True,
+                               "stage3_param_persistence_threshold": "auto", "stage3_gather_16bit_weights_on_model_save": True}}
+
+
+def build(work, name, spec, layers, rows=400, answer_words=(300, 500), *, max_position=32768, seed=None):
+    """WORK/NAME: tokenizer + data from recipes/tiny_cpu/make_assets.py, the model of ``spec`` (a ``MODELS`` value) at
+    ``layers`` decoder layers and ``max_position`` embeddings from its config, random weights (``seed``: torch's
+    seed first) made on the GPU, bf16, untied head, saved once under WORK/NAME/model (a later call reuses it;
+    config.json lands last, so a stopped build is not taken as done)."""
     mdir = os.path.join(work, name)
     if os.path.exists(os.path.join(mdir, "model", "config.json")):
         return mdir
@@ -88,15 +232,146 @@ def build_model(work: str, name: str, spec: dict, layers: int, *, max_position: 
     config = AutoConfig.for_model(spec["model_type"], num_hidden_layers=layers, max_position_embeddings=max_position,
                                   tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                   pad_token_id=tok.pad_token_id, **kw)
-    torch.manual_seed(0)
+    if seed is not None:
+        torch.manual_seed(seed)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    tmp = os.path.join(mdir, "model_tmp")  # config.json lands in model/ last: a stopped build is not taken as done
+    tmp = os.path.join(mdir, "model_tmp")
     model.save_pretrained(tmp)
     for fname in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
         os.replace(os.path.join(tmp, fname), os.path.join(mdir, "model", fname))
     os.rmdir(tmp)
+    del model
+    torch.cuda.empty_cache()
     return mdir
+
+
+def ds_json(work: str, stage: int = 3, persistence: float | None = None) -> str:
+    """A DeepSpeed json under WORK: ``ZERO3`` (``stage3_param_persistence_threshold`` = ``persistence`` when given,
+    else auto; WORK/ds_z3_<persistence or auto>.json), or for ``stage`` 2 ZeRO-2 with LLaMA-Factory's ds_z2 buckets
+    (WORK/ds_z2.json)."""
+    if stage == 3:
+        config = json.loads(json.dumps(ZERO3))
+        if persistence is not None:
+            config["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
+        path = os.path.join(work, f"ds_z3_{persistence or 'auto'}.json")
+    else:
+        config = dict(json.loads(json.dumps(ZERO3)), zero_optimization={
+            "stage": 2, "overlap_comm": False, "contiguous_gradients": True, "reduce_scatter": True,
+            "allgather_bucket_size": 500_000_000, "reduce_bucket_size": 500_000_000})
+        path = os.path.join(work, "ds_z2.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def log_line(log, needle):
+    """The first log line holding ``needle``, from the needle on (tqdm shares lines with the log)."""
+    hit = next((l for l in log.splitlines() if needle in l), None)
+    return hit[hit.index(needle):].strip() if hit else None
+
+
+def error_line(log):
+    """The first line naming an exception (not torchrun's ChildFailedError), from a worker's ``[rankN]:`` traceback
+    if there is one, with the failing statement when the exception has no message (a bare ``AssertionError``);
+    None when there is none."""
+    lines = log.splitlines()
+    for group in ([l for l in lines if re.match(r"^\[rank\d+\]:", l)], lines):
+        group = [re.sub(r"^\[rank\d+\]:\s?", "", l).rstrip() for l in group]
+        for i, line in enumerate(group):
+            if re.match(r"^([A-Za-z_][\w.]*)?(Error|Exception|Interrupt)\b(:|$)", line) and "ChildFailed" not in line:
+                if ":" not in line:  # bare exception: add the statement above it (skipping ^^^ markers)
+                    above = [l.strip() for l in group[max(0, i - 4):i] if l.strip() and set(l.strip()) - set("^~ ")]
+                    line = f"{line}: {above[-1]}" if above else line
+                return line[:400]
+    return None
+
+
+def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=16384, overrides=None, env=None, tag=None,
+        timeout=900, launch=True):
+    """One `llamafactory-cli train`-equivalent run (torchrun + bench/lf_bench_launch.py); returns its row.
+
+    LoRA r16 ``all`` + embed_tokens,lm_head, FSDP ``fsdp_version`` over ``nproc`` ranks, bf16, packing to ``cutoff``
+    tokens, ``VARIANTS[variant]``'s keys. ``overrides`` update the yaml (e.g. ``fsdp_config`` keys; a value of None
+    removes the key), ``env`` the environment (a value of None removes a variable). A run still going after
+    ``timeout`` s is stopped (SIGTERM: torchrun ends its workers) and gives an error row. ``launch=False`` only
+    writes the yaml and returns {"yaml", "config"}."""
+    out = os.path.join(work, tag or f"{os.path.basename(mdir)}_{variant}")
+    fsdp_config = {"version": fsdp_version, "transformer_layer_cls_to_wrap": spec["layer"]}
+    if fsdp_version == 1:
+        fsdp_config.update(use_orig_params=True, sync_module_states=False)
+    cfg = dict(
+        model_name_or_path=os.path.join(mdir, "model"), stage="sft", do_train=True, finetuning_type="lora",
+        lora_target="all", lora_rank=16, additional_target="embed_tokens,lm_head", dataset="tiny_alpaca",
+        dataset_dir=os.path.join(mdir, "data"), template="llama3", cutoff_len=cutoff, packing=True,
+        overwrite_cache=True, preprocessing_num_workers=4, output_dir=out, logging_steps=1, save_strategy="no",
+        per_device_train_batch_size=1, gradient_accumulation_steps=1, learning_rate=1e-4, max_steps=steps,
+        lr_scheduler_type="constant", bf16=True, include_num_input_tokens_seen=True, report_to="none", seed=0, flash_attn="sdpa",
+        fsdp="full_shard auto_wrap", fsdp_config=fsdp_config,
+        **VARIANTS[variant],
+    )
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    cfg = {k: v for k, v in cfg.items() if v is not None}  # an override of None removes the key
+    import yaml
+
+    os.makedirs(out, exist_ok=True)
+    path = out + ".yaml"
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    if not launch:
+        return {"yaml": path, "config": cfg}
+    res_path = out + ".json"
+    if os.path.exists(res_path):
+        os.remove(res_path)
+    run_env = dict(os.environ, FSDP_STATE_DICT_TYPE="FULL_STATE_DICT", DISABLE_VERSION_CHECK="1")
+    for key, value in (env or {}).items():
+        if value is None:
+            run_env.pop(key, None)
+        else:
+            run_env[key] = value
+    proc = subprocess.Popen(["torchrun", "--nproc_per_node", str(nproc), os.path.join(ROOT, "bench", "lf_bench_launch.py"),
+                             path, res_path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env)
+    timed_out = False
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        proc.terminate()  # torchrun passes SIGTERM on to its workers (a SIGKILL would leave them running)
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+    log = stdout + stderr
+    with open(out + ".log", "w") as f:
+        f.write(log)
+    row = {"model": os.path.basename(mdir), "variant": variant, "log": out + ".log", "nproc": nproc, "fsdp_version": fsdp_version,
+           "tokens_per_gpu_step": cutoff, "rc": proc.returncode or (0 if os.path.exists(res_path) else 1),
+           "engaged": log_line(log, "[liger_fsdp] engaged"), "memory_line": log_line(log, "[liger_fsdp] memory")}
+    if proc.returncode != 0 or not os.path.exists(res_path):
+        errs = [l for l in log.splitlines() if "Error" in l or "error:" in l]
+        row["error"] = (f"timeout: the run was stopped after {timeout:.0f} s" if timed_out else
+                        error_line(log) or (errs[-1] if errs else log[-600:])[:400])
+        row["log_tail"] = log[-3000:]
+        return row
+    res = json.load(open(res_path))
+    steps = res["steps"]
+    times = [s["s"] for s in steps[1:]] or [s["s"] for s in steps]
+    seen = [s["tokens_seen"] for s in steps]
+    # tokens_seen counts every rank's tokens
+    per_step = (seen[-1] - seen[0]) / max(len(seen) - 1, 1) if seen[-1] else cutoff * nproc
+    row.update(step_times=[s["s"] for s in steps], step1_peak_gib=steps[0]["peak_mib"] / 1024,
+               tokens_per_step=per_step, step_s=statistics.median(times), tokens_per_s=per_step / statistics.median(times),
+               tokens_per_s_per_gpu=per_step / statistics.median(times) / nproc,
+               peak_gib=max(s["peak_mib"] for s in res["steps"]) / 1024, losses=res["losses"],
+               step_losses=res.get("step_losses"), profile=res.get("profile"), peak_gib_per_rank=[m / 1024 for m in res.get("peak_mib_per_rank", [])],
+               **{f"{phase}_peak_gib": max(s.get(f"{phase}_peak_mib", 0) for s in steps) / 1024
+                  for phase in ("fwd_bwd", "optimizer", "forward", "backward")})
+    return row
 
 
 def main() -> None:
@@ -104,17 +379,14 @@ def main() -> None:
     ap.add_argument("what", choices=["build"])
     ap.add_argument("work")
     ap.add_argument("name")
-    ap.add_argument("--spec", default="llama3-8b", help="a key of bench/real_size_sft.MODELS")
+    ap.add_argument("--spec", default="llama3-8b", help="a key of MODELS")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--max-position", type=int, default=131072)
     ap.add_argument("--rows", type=int, default=1400)
     ap.add_argument("--answer-words", type=int, nargs=2, default=(300, 500))
     args = ap.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from real_size_sft import MODELS
-
-    print(build_model(args.work, args.name, MODELS[args.spec], args.layers, max_position=args.max_position,
-                      rows=args.rows, answer_words=tuple(args.answer_words)))
+    print(build(args.work, args.name, MODELS[args.spec], args.layers, rows=args.rows,
+                answer_words=tuple(args.answer_words), max_position=args.max_position, seed=0))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Real-depth LLaMA-Factory SFT on one H200 (world size 1): the Llama-3-8B shape at its full 32 layers (real 128k head,
 random weights, max_position_embeddings 131072), LoRA r16 `lora_target: all` + `additional_target:
 embed_tokens,lm_head`, bf16, packing, LLaMA-Factory's defaults otherwise (gradient checkpointing on). Each run is
-bench/real_size_sft.run (torchrun + bench/lf_bench_launch.py, a `llamafactory-cli train` equivalent with a timing /
+bench/common.py's run (torchrun + bench/lf_bench_launch.py, a `llamafactory-cli train` equivalent with a timing /
 memory callback); tokens/s = tokens a step / median step time after step 1; peak = torch.cuda.max_memory_allocated.
 
 For each variant -- plain, liger (`enable_liger_kernel`), plugin (`liger_fsdp: true`), plugin+liger (both), and
@@ -17,7 +17,7 @@ Phases (--plan, in order; each draws its next run from the rows so far, the earl
           plugin+liger both fit
   lean    plugin-lean and plugin-lean+liger at the cutoff where memory decides: the plugin's first failing cutoff
           where Liger fits, else the plugin's longest
-  zero3   the plugin under DeepSpeed ZeRO-3 as shipped (bench/reach_h200's json) at --zero3-cutoffs, --zero3-steps
+  zero3   the plugin under DeepSpeed ZeRO-3 as shipped (bench/common.py's ds_json) at --zero3-cutoffs, --zero3-steps
           steps (its steps 2-4 are DeepSpeed's warm-up)
   fill    the cutoffs from --fill-from up that a variant has not run below its longest (64k, 16k, 8k, ...)
 --runs SHARDING:VARIANT:CUTOFF[:STEPS],... runs those first, whatever the rows hold.
@@ -48,16 +48,14 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import MAKE_ASSETS, ROOT, append_row, card, load_rows, now, versions  # noqa: E402
-from real_size_sft import MODELS, _line, run  # noqa: E402
-from real_size_sft import VARIANTS as RS_VARIANTS  # noqa: E402
+from common import MAKE_ASSETS, MODELS, ROOT, append_row, card, ds_json, load_rows, log_line, now, run, versions
+from common import VARIANTS as RUN_VARIANTS
 
 SPEC = MODELS["llama3-8b"]
 LAYERS = 32
 LADDER = (4096, 8192, 16384, 32768, 65536, 131072)
 SMOKE_LADDER = (64, 128, 256, 512)  # the tiny model's max_position_embeddings is 512
-# variant -> (bench/real_size_sft.VARIANTS key, extra yaml keys)
+# variant -> (bench/common.py's VARIANTS key, extra yaml keys)
 VARIANTS = {
     "plain": ("plain", {}),
     "liger": ("liger", {}),
@@ -266,9 +264,7 @@ def run_args(work, mdir, sharding, variant, cutoff, smoke):
     cfg = {"dataset": "tiny_alpaca", "tokenized_path": os.path.join(mdir, f"tokenized_sft_{cutoff}"), **extra}
     env = {}
     if sharding == "zero3" and not smoke:
-        from reach_h200 import _ds_json
-
-        cfg.update(fsdp=None, fsdp_config=None, deepspeed=_ds_json(work))
+        cfg.update(fsdp=None, fsdp_config=None, deepspeed=ds_json(work))
     if smoke:  # one CPU process: no FSDP / DeepSpeed, fp32; Liger's loss only, interpreted
         cfg.update(fsdp=None, fsdp_config=None, bf16=None, use_cpu=True, preprocessing_num_workers=None)
         env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", LF_BENCH_LIGER_LOSS_ONLY="1",
@@ -307,9 +303,9 @@ def one_run(args, rows, work, mdir, sharding, variant, cutoff, steps, timeout, m
                step1_peak_gib=row.get("step1_peak_gib"),
                **{f"{p}_peak_gib": row.get(f"{p}_peak_gib") for p in ("forward", "backward", "optimizer")},
                losses=row.get("losses"), engaged=row.get("engaged"), memory_line=row.get("memory_line"),
-               liger_line=_line(log, "Liger kernel has been applied"),
-               cast=_line(log, "[liger_fsdp] DeepSpeed ZeRO-3: train"), log_tail=row.get("log_tail"),
-               variant_yaml={k: v for k, v in {**RS_VARIANTS[key], **cfg}.items()
+               liger_line=log_line(log, "Liger kernel has been applied"),
+               cast=log_line(log, "[liger_fsdp] DeepSpeed ZeRO-3: train"), log_tail=row.get("log_tail"),
+               variant_yaml={k: v for k, v in {**RUN_VARIANTS[key], **cfg}.items()
                              if k.startswith(("liger", "enable_liger"))},
                setup=SETUP if not args.smoke else "smoke: tiny model, CPU, fp32, no FSDP", versions=meta["versions"],
                plugin_commit=meta["commit"], session=meta["session"], smoke=args.smoke)

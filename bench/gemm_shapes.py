@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from bench.bench_flce import _meta, cuda_ms  # noqa: E402
+from common import cuda_ms, gpu_meta
 
 H = 4096
 
@@ -26,7 +22,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/h200_gemm_shapes.json")
     args = ap.parse_args()
-    rows, meta = [], _meta()  # card, date, versions on every row
+    rows, meta = [], gpu_meta()  # card, date, versions on every row
     for m in (2048, 3072, 4096, 11469):
         for n in (8192, 16384, 32768, 128256):
             h = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)

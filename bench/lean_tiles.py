@@ -8,17 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from bench.bench_flce import _meta, cuda_ms, make_inputs  # noqa: E402
-from llamafactory_liger_fsdp.ops import triton_common, triton_flce, triton_lean  # noqa: E402
-
-MIB = 1024 * 1024
+from common import MIB, cuda_ms, gpu_meta, make_inputs
+from llamafactory_liger_fsdp.ops import triton_common, triton_flce, triton_lean
 
 
 def main():
@@ -30,7 +24,7 @@ def main():
     n, hd, v = map(int, args.shape.split(","))
     hidden, weight, y = make_inputs(n, hd, v, ignore=args.ignored)
     n_valid = int((y != -100).sum())
-    rows, meta = [], _meta()  # card, date, versions on every row
+    rows, meta = [], gpu_meta()  # card, date, versions on every row
     for slab in (8192, 16384, 32768):
         for budget_gib in (1.0, 1.5, 2.0):
             triton_common.MAX_SLAB = slab

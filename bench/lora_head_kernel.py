@@ -14,16 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from bench.bench_flce import _meta, cuda_ms, matmul_tflops, rel  # noqa: E402
-
-MIB = 1024 * 1024
+from common import MIB, cuda_ms, gpu_meta, matmul_tflops
+from llamafactory_liger_fsdp.testing import rel
 
 
 def inputs(n, hd, v, r, ignore, seed=0):
@@ -106,7 +101,7 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     rate = matmul_tflops()
-    meta = _meta()  # card, date, versions on every row
+    meta = gpu_meta()  # card, date, versions on every row
     rows = []
     print(f"bf16 matmul {rate:.0f} TFLOP/s")
     print(f"{'shape':>26s} {'backend':12s} {'variant':13s} {'ms':>7s} {'x floor':>7s} {'peak MiB':>9s} {'err dh':>9s} {'err dB':>9s}")

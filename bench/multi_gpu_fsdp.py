@@ -35,8 +35,7 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from real_size_sft import MODELS, ROOT, build, run  # noqa: E402
+from common import MAKE_ASSETS, MODELS, ROOT, build, run
 
 # Qwen2.5-7B's shape (untied head, vocab 152064) is the "Qwen2.5-shaped model" of the seed report
 REPRO_MODEL = "qwen2.5-7b"
@@ -48,8 +47,7 @@ def cpu_assets(work):
     0.8.5 redirects its fused loss through FSDP1 for Llama's head (not for Qwen2's, nor under FSDP2)."""
     mdir = os.path.join(work, "tiny-qwen2")
     if not os.path.exists(os.path.join(mdir, "model", "config.json")):
-        subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "tiny_cpu", "make_assets.py"), mdir,
-                        "--model-type", "qwen2"], check=True)
+        subprocess.run([sys.executable, MAKE_ASSETS, mdir, "--model-type", "qwen2"], check=True)
     return mdir, {"layer": "Qwen2DecoderLayer"}
 
 

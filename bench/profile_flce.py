@@ -16,39 +16,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import flce_impl
 
 STALLS = ("cudaMalloc", "cudaFree", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
           "cudaEventSynchronize", "cudaHostAlloc")
-
-
-def impl(name):
-    if name.startswith("project_fast"):
-        from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy, triton_common
-
-        rows = int(name.split("@")[1]) if "@" in name else triton_common.FAST_CHUNK_ROWS
-
-        def fn(h, w, y):
-            triton_common.FAST_CHUNK_ROWS = rows
-            return fused_linear_cross_entropy(h, w, y, backend="triton_fast")
-
-        return fn
-    if name == "project":
-        from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
-
-        return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend="triton")
-    if name == "liger":
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-
-        loss = LigerFusedLinearCrossEntropyLoss()
-        return lambda h, w, y: loss(w, h, y)
-    if name == "torch":
-        return lambda h, w, y: torch.nn.functional.cross_entropy((h @ w.t()).float(), y)
-    raise ValueError(name)
 
 
 def one(fn, h, w, y):
@@ -120,7 +94,7 @@ def modes(fn, h, w, y, reps):
 
 
 def profile(name, h, w, y, reps, trace=None):
-    fn = impl(name)
+    fn = flce_impl(name)
     for _ in range(3):
         one(fn, h, w, y)
     torch.cuda.synchronize()

@@ -1,5 +1,5 @@
 """One H200, LLaMA-Factory 0.9.5 real-size runs of what the plugin newly reaches (2-layer Llama-3-8B / Qwen2.5-7B
-shapes with their real heads, random weights, LoRA r 16 `all` + embed_tokens/lm_head, bf16; bench/real_size_sft.py
+shapes with their real heads, random weights, LoRA r 16 `all` + embed_tokens/lm_head, bf16; bench/common.py's ``run``
 does each run through bench/lf_bench_launch.py: tokens/s, peak memory by phase, per-step losses):
 
 * ``zero3``: SFT under DeepSpeed ZeRO-3 at world size 1 (it still partitions), 16k tokens a step:
@@ -19,32 +19,17 @@ import argparse
 import json
 import os
 
-from real_size_sft import MODELS, build, run
-
-ZERO3 = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-         "gradient_clipping": "auto", "zero_allow_untested_optimizer": True, "bf16": {"enabled": "auto"},
-         "zero_optimization": {"stage": 3, "overlap_comm": False, "contiguous_gradients": True,
-                               "stage3_param_persistence_threshold": "auto", "stage3_gather_16bit_weights_on_model_save": True}}
-
-
-def _ds_json(work: str, persistence: float | None = None) -> str:
-    config = json.loads(json.dumps(ZERO3))
-    if persistence is not None:
-        config["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
-    path = os.path.join(work, f"ds_z3_{persistence or 'auto'}.json")
-    with open(path, "w") as f:
-        json.dump(config, f)
-    return path
+from common import MODELS, build, ds_json, run
 
 
 def zero3(work: str, steps: int, models: list[str]) -> list[dict]:
     rows = []
     for name in models:
         mdir = build(work, name, MODELS[name], 2)
-        ds = dict(fsdp=None, fsdp_config=None, deepspeed=_ds_json(work))
+        ds = dict(fsdp=None, fsdp_config=None, deepspeed=ds_json(work))
         runs = [("plain", "plain", ds, None), ("plain", "plain_bf16", ds, {"LF_BENCH_COMPUTE_DTYPE": "1"}),
                 ("liger_fsdp_auto", "liger_fsdp", ds, None),
-                ("liger", "liger_persist", dict(ds, deepspeed=_ds_json(work, 1e11)), {"LF_BENCH_COMPUTE_DTYPE": "1"})]
+                ("liger", "liger_persist", dict(ds, deepspeed=ds_json(work, persistence=1e11)), {"LF_BENCH_COMPUTE_DTYPE": "1"})]
         for variant, label, overrides, env in runs:
             row = run(mdir, MODELS[name], variant, steps, work, overrides=overrides, env=env, tag=f"{name}_z3_{label}")
             row.update(variant=label, sharding="DeepSpeed ZeRO-3")

@@ -17,6 +17,10 @@
 #                                   # appended to $OUT/h200_depth.json (starts as a copy of bench/results/h200_depth.json;
 #                                   # copy it back between calls); whole command under DEPTH_LIMIT s (default 570)
 # Wheels that the image lacks travel in .whl/ (see bench/RESULTS.md); results go to $OUT (or bench/results).
+# Every bench script imports bench/common.py (found next to it) and the package llamafactory_liger_fsdp: the cases
+# below install it or put the checkout on PYTHONPATH; the one-shot kernel probes (bench/gemm_shapes.py,
+# lean_tiles.py, lora_head_kernel.py, profile_flce.py, start_cost.py, stats_pass.py, triton_gemm_probe.py) are run
+# as `PYTHONPATH=$PWD python3 bench/<script>.py --out $OUT/...`.
 set -uo pipefail
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"

@@ -1,6 +1,6 @@
 """Side-by-side LLaMA-Factory runs on one H200 (world size 1): tokens/s, peak memory and per-step losses for each
 scenario and variant, one JSON row per run appended to ``--out``. The model is the 2-layer Llama-3-8B shape of
-bench/real_size_sft.py (real 128k head, random weights), LoRA r16, bf16; each run is bench/real_size_sft.run (torchrun
+bench/common.py's MODELS (real 128k head, random weights), LoRA r16, bf16; each run is bench/common.py's run (torchrun
 + bench/lf_bench_launch.py): tokens/s = tokens a step / median step time after step 1.
 
 Scenarios (variants): fsdp2_sft, zero2_sft, zero3_sft (plain, liger, plugin, plugin+liger) -- LoRA `all` +
@@ -22,7 +22,6 @@ the scenario. --deadline S: no run starts that would end (by the longest run so 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -31,9 +30,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reach_h200 import ZERO3, _ds_json  # noqa: E402
-from real_size_sft import MODELS, ROOT, _line, build, run  # noqa: E402
+from common import MAKE_ASSETS, MODELS, ROOT, build, ds_json, dump_json, load_rows, log_line, now, run, versions
 
 SPEC = MODELS["llama3-8b"]
 KEYS = {"plain": "plain", "liger": "liger", "plugin": "liger_fsdp_auto", "plugin+liger": "liger+liger_fsdp",
@@ -41,7 +38,6 @@ KEYS = {"plain": "plain", "liger": "liger", "plugin": "liger_fsdp_auto", "plugin
 ALL4 = ("plain", "liger", "plugin", "plugin+liger")
 DTYPE_ENV = {"LF_BENCH_COMPUTE_DTYPE": "1"}
 HEAD_LORA = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
-MAKE_ASSETS = os.path.join(ROOT, "recipes", "tiny_cpu", "make_assets.py")
 # asset set -> (cutoff_len, answer words, rows) on the H200 / in --smoke; ~1.45 tokens a word with the tiny tokenizer
 ASSETS = {"sft": (16384, (300, 500), 400), "2k": (2048, (1500, 1600), 32), "8k": (8192, (6500, 7000), 32)}
 SMOKE_ASSETS = {"sft": (256, (6, 24), 64), "2k": (128, (100, 110), 16), "8k": (256, (200, 220), 16)}
@@ -103,19 +99,6 @@ def assets(work, key, smoke):
     return mdir
 
 
-def ds_json(work, stage, persistence=None):
-    """reach_h200's ZeRO-3 json (persistence threshold as given), or a ZeRO-2 one with LLaMA-Factory's ds_z2 buckets."""
-    if stage == 3:
-        return _ds_json(work, persistence)
-    config = dict(json.loads(json.dumps(ZERO3)), zero_optimization={
-        "stage": 2, "overlap_comm": False, "contiguous_gradients": True, "reduce_scatter": True,
-        "allgather_bucket_size": 500_000_000, "reduce_bucket_size": 500_000_000})
-    path = os.path.join(work, "ds_z2.json")
-    with open(path, "w") as f:
-        json.dump(config, f)
-    return path
-
-
 def run_args(work, name, variant, mdir, smoke):
     """(cutoff, yaml overrides, env, notes for the row) of one run."""
     sc = SCENARIOS[name]
@@ -134,34 +117,6 @@ def run_args(work, name, variant, mdir, smoke):
         env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", LF_BENCH_LIGER_LOSS_ONLY="1",
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     return cutoff, cfg, env, notes
-
-
-def versions():
-    from importlib import metadata
-
-    out = {}
-    for dist in ("torch", "transformers", "peft", "accelerate", "deepspeed", "llamafactory", "liger_kernel", "trl",
-                 "llamafactory_liger_fsdp"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
-def _now():
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def load(path):
-    return json.load(open(path)) if os.path.exists(path) else []
-
-
-def save(path, rows):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(rows, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def main():
@@ -194,7 +149,7 @@ def main():
                        os.path.join(ROOT, "bench", "results", "h200_speed.json"))
     work = args.work or ("/tmp/speed_smoke" if smoke else "/tmp/real_size")
     os.makedirs(work, exist_ok=True)
-    existing, vers, session = load(out), versions(), _now()
+    existing, vers, session = load_rows(out), versions(), now()
     device = "cpu (smoke)" if smoke else None
     done, skipped, walls = [], [], []
     for name in names:
@@ -230,13 +185,13 @@ def main():
                 log = open(row["log"]).read() if os.path.exists(row["log"]) else ""
                 if "log_tail" in row:  # keep the worker's traceback, not torchrun's own
                     row["log_tail"] = row["log_tail"].split("torch/distributed/elastic/multiprocessing/api.py")[0][-1500:]
-                row.update(scenario=name, variant=variant, run=r, wall_s=round(walls[-1], 1), date=_now(), session=session,
+                row.update(scenario=name, variant=variant, run=r, wall_s=round(walls[-1], 1), date=now(), session=session,
                            device=device, versions=vers, smoke=smoke, steps=steps, cutoff_len=cutoff,
-                           cast=_line(log, "[lf_bench] compute dtype") or _line(log, "[liger_fsdp] DeepSpeed ZeRO-3: train"),
-                           liger_line=_line(log, "Liger kernel has been applied"),
+                           cast=log_line(log, "[lf_bench] compute dtype") or log_line(log, "[liger_fsdp] DeepSpeed ZeRO-3: train"),
+                           liger_line=log_line(log, "Liger kernel has been applied"),
                            trace_invalidated=log.count("Invalidate trace cache"), **notes)
                 done.append(row)
-                save(out, load(out) + [row])
+                dump_json(out, load_rows(out) + [row])  # a bare list, as the file has always been
                 print(f"[speed] {name} {variant} r{r}: rc {row['rc']}, {row.get('tokens_per_s') or 0:.0f} tokens/s, "
                       f"{row.get('peak_gib') or 0:.2f} GiB, {walls[-1]:.0f} s {row.get('error') or ''}", flush=True)
     if args.dry_run:
@@ -251,7 +206,7 @@ def main():
     if skipped:
         print(f"not run (--deadline {args.deadline:.0f} s): {' '.join(skipped)}")
     medians = {}
-    for row in load(out):
+    for row in load_rows(out):
         if not row.get("rc") and bool(row.get("smoke")) == smoke:
             medians.setdefault((row["scenario"], row["variant"]), []).append(row)
     print("all rows in the file, median over runs: " + "; ".join(

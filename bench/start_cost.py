@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import flce_impl, gpu_meta, make_inputs
 
 
 def _ev():
@@ -81,18 +79,15 @@ def main():
     ap.add_argument("--impls", default="project_fast,project")
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
-    from bench.bench_flce import _meta, make_inputs
-    from bench.profile_flce import impl
-
     n, hd, v = map(int, args.shape.split(","))
     hidden, weight, y = make_inputs(n, hd, v, ignore=0.3)
     rows = []
     for name in args.impls.split(","):
-        fn = impl(name)
+        fn = flce_impl(name)
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         for _ in range(3):
             fn(h, w, y).backward()
-        row = {"impl": name, "shape": [n, hd, v], "ignored_frac": 0.3, **measure(fn, h, w, y, args.reps), **_meta()}
+        row = {"impl": name, "shape": [n, hd, v], "ignored_frac": 0.3, **measure(fn, h, w, y, args.reps), **gpu_meta()}
         rows.append(row)
         print(json.dumps(row), flush=True)
         del h, w

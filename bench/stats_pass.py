@@ -11,12 +11,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import cuda_ms, gpu_meta
 
 
 def main():
@@ -25,7 +23,6 @@ def main():
     ap.add_argument("--shapes", default="3072,128256;3072,152064;3072,262208;11469,8192")
     ap.add_argument("--old", default=None)
     args = ap.parse_args()
-    from bench.bench_flce import _meta, cuda_ms
     from llamafactory_liger_fsdp.ops import triton_kernels as tk
 
     impls = {"current": tk.chunk_stats}
@@ -34,7 +31,7 @@ def main():
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
         impls["old"] = old._chunk_stats
-    rows, meta = [], _meta()
+    rows, meta = [], gpu_meta()
     for spec_ in args.shapes.split(";"):
         c, v = map(int, spec_.split(","))
         g = torch.Generator(device="cuda").manual_seed(0)

@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import cuda_ms, gpu_meta
 
 CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps)
     (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 4), (128, 256, 64, 4, 8), (128, 128, 128, 3, 8),
@@ -190,9 +188,7 @@ def main():
                 print(f"{name} {m}x{k}x{n}: rel err z {err_c:.1e}, max |lse err| {err_lse:.1e}")
                 assert err_c < 1e-5 and err_lse < 1e-4
         return
-    from bench.bench_flce import _meta, cuda_ms
-
-    rows, meta = [], _meta()  # card, date, versions on every row
+    rows, meta = [], gpu_meta()  # card, date, versions on every row
     for spec in args.shapes.split(";"):
         m, k, n = map(int, spec.split(","))
         g = torch.Generator(device="cuda").manual_seed(0)
