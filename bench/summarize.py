@@ -1,6 +1,6 @@
 """Print the markdown tables of bench/RESULTS.md from the committed JSON (no GPU needed).
 
-    python bench/summarize.py
+    python bench/summarize.py           # the kernel's second round and first checks (from results/archive/), SFT, FSDP
     python bench/summarize.py kernel3   # issue 20's table from results/h200_kernel3.json
     python bench/summarize.py speed [--speed-json bench/results/h200_speed.json] [--png-dir DIR]
 
@@ -12,11 +12,13 @@ import json
 import os
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+ARCHIVE = os.path.join(HERE, "archive")  # superseded runs (bench/RESULTS.md says what replaced each)
 
 
 def kernel_table():
-    rows = json.load(open(os.path.join(HERE, "h200_kernel2.json")))
-    meta = json.load(open(os.path.join(HERE, "h200_kernel2_meta.json")))
+    """The kernel's second round, run 1 (superseded by the third round's table: ``kernel3``)."""
+    rows = json.load(open(os.path.join(ARCHIVE, "h200_kernel2.json")))
+    meta = json.load(open(os.path.join(ARCHIVE, "h200_kernel2_meta.json")))
     print(f"Card: {meta['card']}, {meta['date']}; torch {meta['torch']}, triton {meta['triton']}, liger-kernel "
           f"{meta['liger_kernel']}, cut-cross-entropy {meta['cut_cross_entropy']}; bf16 matmul "
           f"{meta['bf16_matmul_tflops']:.0f} TFLOP/s (8192^3, same run).\n")
@@ -57,7 +59,8 @@ def kernel3_table(path=os.path.join(HERE, "h200_kernel3.json")):
 
 
 def check_table():
-    data = json.load(open(os.path.join(HERE, "h200_check.json")))
+    """The first round's real-size checks (2026-12-02; superseded: results/h200_kernel3_check.json)."""
+    data = json.load(open(os.path.join(ARCHIVE, "h200_check.json")))
     print("| backend | N x H x V | dtype | softcap | ignored | err_loss | err_dx | err_dw | torch err_dx / err_dw | deterministic |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in data["checks"]:
