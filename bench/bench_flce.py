@@ -7,7 +7,7 @@ run, which sets the floor ``6 N H V / rate``. ``--check``: real-size correctness
 (float64 reference, plain torch in the same dtype, the rounding floor), reductions, label smoothing,
 fp16, large logits, determinism, bad labels, the forward-only path. Both write JSON row by row.
 
-    python bench/bench_flce.py --out bench/results/h200_kernel2.json
+    python bench/bench_flce.py --out bench/results/h200_flce.json
     python bench/bench_flce.py --check --out bench/results/h200_kernel2_check.json
     python bench/bench_flce.py --ignored 0,0.25,0.5 --impls project_fast,project,liger --out bench/results/h200_kernel3.json
 
@@ -328,7 +328,7 @@ def _extra_checks(out_rows, out_path):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/h200_kernel2.json")
+    ap.add_argument("--out", default="bench/results/h200_flce.json")
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES))
     ap.add_argument("--ignored", default="0.25", help="comma list of ignored-label fractions (issue 20: 0,0.25,0.5)")

@@ -7,7 +7,7 @@ the largest gaps with their neighbours, kernel time per kind), the host ops that
 can stall the host (synchronisations, allocations), and the peak memory beyond the inputs. ``project_fast@R`` runs
 triton_fast with R rows a chunk.
 
-    python bench/profile_flce.py --out bench/results/h200_flce_profile.json [--shape 16384,4096,128256]
+    python bench/profile_flce.py --out bench/results/h200_profile.json [--shape 16384,4096,128256]
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def profile(name, h, w, y, reps, trace=None):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/h200_flce_profile.json")
+    ap.add_argument("--out", default="bench/results/h200_profile.json")
     ap.add_argument("--shape", default="16384,4096,128256")
     ap.add_argument("--impls", default="project_fast,project_fast@2048,project_fast@4096,project,liger")
     ap.add_argument("--reps", type=int, default=10)
