@@ -132,6 +132,15 @@ def outputs(loss_rows, lse, idx, n, all_valid, reduction):
     return loss, lse_full
 
 
+def forward_outputs(ctx, loss_rows, lse, idx, n, all_valid, reduction):
+    """What each path's autograd forward returns: :func:`outputs`, the lse marked non-differentiable, and no
+    materialised zero gradients for outputs that get none."""
+    ctx.set_materialize_grads(False)
+    loss, lse_full = outputs(loss_rows, lse, idx, n, all_valid, reduction)
+    ctx.mark_non_differentiable(lse_full)
+    return loss, lse_full
+
+
 def scaled_rows(raw, scale, idx, all_valid, n, dtype):
     """dh [N, H] in ``dtype``: the valid rows' fp32 ``raw`` times ``scale`` (0-d or per row), rounded once; 0 on
     ignored rows."""

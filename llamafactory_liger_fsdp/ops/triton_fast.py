@@ -62,10 +62,7 @@ class _FastFLCE(torch.autograd.Function):
         ctx.save_for_backward(*(x for x in (dh_raw, dw_raw, idx) if x is not None))
         ctx.cfg = (need_h, need_w, reduction, all_valid, n, S)
         ctx.h, ctx.w_shape = h, w_shape
-        ctx.set_materialize_grads(False)
-        loss, lse_full = tc.outputs(loss_rows, lse, idx, n, all_valid, reduction)
-        ctx.mark_non_differentiable(lse_full)
-        return loss, lse_full
+        return tc.forward_outputs(ctx, loss_rows, lse, idx, n, all_valid, reduction)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse):

@@ -120,10 +120,7 @@ class _LeanFLCE(torch.autograd.Function):
         lse, loss_rows, tgt, m, inv_s = _lean_forward(hidden, w_full, idx, y_valid, all_valid, softcap, eps, v_s, r)
         ctx.save_for_backward(hidden, w_full, idx, y_valid, m, inv_s, tgt)
         ctx.cfg = (reduction, softcap, eps, v_s, r, all_valid, col0)
-        ctx.set_materialize_grads(False)
-        loss, lse_full = tc.outputs(loss_rows, lse, idx, n, all_valid, reduction)
-        ctx.mark_non_differentiable(lse_full)
-        return loss, lse_full
+        return tc.forward_outputs(ctx, loss_rows, lse, idx, n, all_valid, reduction)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse):

@@ -71,10 +71,7 @@ class _StoredDzFLCE(torch.autograd.Function):
         ctx.save_for_backward(hidden, dz_all, tgt, idx, *([dh_raw] if need_h else []))
         ctx.cfg = (need_h, need_w, all_valid, n, S, softcap, eps, v_s, col0)
         ctx.w_shape = w_shape
-        ctx.set_materialize_grads(False)
-        loss, lse_full = tc.outputs(loss_rows, lse, idx, n, all_valid, "none")
-        ctx.mark_non_differentiable(lse_full)
-        return loss, lse_full
+        return tc.forward_outputs(ctx, loss_rows, lse, idx, n, all_valid, "none")
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse):
