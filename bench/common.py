@@ -29,6 +29,7 @@ import math
 import os
 import platform
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -333,8 +334,12 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
             run_env.pop(key, None)
         else:
             run_env[key] = value
-    proc = subprocess.Popen(["torchrun", "--nproc_per_node", str(nproc), os.path.join(ROOT, "bench", "lf_bench_launch.py"),
-                             path, res_path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env)
+    with socket.socket() as sock:  # a free rendezvous port: torchrun's default 29500 may be taken beside this run
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    proc = subprocess.Popen(["torchrun", "--nproc_per_node", str(nproc), "--master_port", port,
+                             os.path.join(ROOT, "bench", "lf_bench_launch.py"), path, res_path],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env)
     timed_out = False
     try:
         stdout, stderr = proc.communicate(timeout=timeout)

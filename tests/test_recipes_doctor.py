@@ -58,8 +58,12 @@ def test_deepspeed_recipe_parses_in_a_rank(path):
     """As `FORCE_TORCHRUN=1 llamafactory-cli train` parses it: inside a torchrun worker (one, gloo, on the CPU)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     script = os.path.join(ROOT, "tests", "support", "parse_in_rank.py")
-    proc = subprocess.run([torchrun, "--nproc-per-node", "1", script, path, "use_cpu=true"], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env=dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1"))
+    from support.dist import free_port
+
+    port = str(free_port())  # torchrun's default 29500 may be taken by a test running beside this one
+    proc = subprocess.run([torchrun, "--nproc-per-node", "1", "--master-port", port, script, path, "use_cpu=true"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1"))
     line = next((l for l in proc.stdout.splitlines() if l.startswith("PARSED ")), None)
     assert line is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
     parsed = json.loads(line[len("PARSED "):])
