@@ -76,7 +76,9 @@ build() {  # build STACK VENV: the user's install, then the test extras (which m
 run_stack() {  # called without `||` around it, so `set -e` holds inside; the two pytest runs both run
   local stack=$1 key v t0=$SECONDS rc=0 out would
   shift
-  key=$( { echo "$stack $EXTRAS"; [ "$stack" != main ] || ls "$SHARED"/llamafactory-main/LLaMA-Factory-*.tar.gz; } | sha256sum | cut -c1-12)
+  # keyed by what is installed (the snapshot by its name), not by where this checkout or shared/ sits
+  key=$( { echo "$stack $EXTRAS"; [ "$stack" != main ] || basename "$SHARED"/llamafactory-main/LLaMA-Factory-*.tar.gz; } \
+        | sha256sum | cut -c1-12)
   v="$CACHE/venv-$stack-$key"
   if [ ! -f "$v/.built" ]; then
     build "$stack" "$v"
