@@ -168,8 +168,10 @@ def flce_impl(name):
     a chunk), ``project`` (lean ``triton``), ``liger`` (Liger's fused loss), ``torch`` (unfused)."""
     import torch
 
+    from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
+
     if name.startswith("project_fast"):
-        from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy, triton_common
+        from llamafactory_liger_fsdp.ops import triton_common
 
         rows = int(name.split("@")[1]) if "@" in name else triton_common.FAST_CHUNK_ROWS
 
@@ -179,8 +181,6 @@ def flce_impl(name):
 
         return fn
     if name == "project":
-        from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
-
         return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend="triton")
     if name == "liger":
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss

@@ -433,7 +433,7 @@ def report(rows, ladder):
     keys = sorted({(r["sharding"], r["variant"]) for r in rows},
                   key=lambda k: (k[0] != "fsdp2", list(VARIANTS).index(k[1])))
     cuts = [c for c in ladder if any(r["cutoff"] == c for r in rows)]
-    print(f"\n| sharding | variant | longest | " + " | ".join(short(c) for c in cuts) + " |")
+    print("\n| sharding | variant | longest | " + " | ".join(short(c) for c in cuts) + " |")
     print("|---|---|---|" + "---|" * len(cuts))
     for sharding, variant in keys:
         lc = longest(rows, sharding, variant)
@@ -451,7 +451,7 @@ def report(rows, ladder):
 def targets(rows, ladder):
     out = []
     L = {v: longest(rows, "fsdp2", v) for v in MAIN4}
-    top = f" (the ladder's top: at least)" if L.get("plugin") == ladder[-1] else ""
+    top = " (the ladder's top: at least)" if L.get("plugin") == ladder[-1] else ""
     if L["plugin"] and L["plain"]:
         out.append(f"plugin's longest {short(L['plugin'])} >= 2x plain's {short(L['plain'])}: "
                    f"{'met' if L['plugin'] >= 2 * L['plain'] else 'NOT met'}{top}")

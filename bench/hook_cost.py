@@ -17,7 +17,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 

@@ -159,10 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     print("llamafactory-liger-fsdp doctor")
     for name, version in versions().items():
         print(f"  {name:24s} {version or 'not installed'}")
-    if policy.too_old():
-        print(f"  too old for the plugin (refused with liger_fsdp: true): {', '.join(policy.too_old())}")
-    if policy.untested():
-        print(f"  newer than tested (trains; the first-step guard checks the loss): {', '.join(policy.untested())}")
+    old, newer = policy.too_old(), policy.untested()
+    if old:
+        print(f"  too old for the plugin (refused with liger_fsdp: true): {', '.join(old)}")
+    if newer:
+        print(f"  newer than tested (trains; the first-step guard checks the loss): {', '.join(newer)}")
     active, why = hook_status()
     print(f"  import hook: {why}")
     if not argv:

@@ -107,7 +107,8 @@ def _liger(ref, cand):
     apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True)
     reference = causal_lm_of(ref)
     reference.forward = types.MethodType(original, reference)
-    return SimpleNamespace(head=heads.detect(causal_lm_of(cand))), lambda causal_lm, seam, config: "Liger's own fused loss"
+    done = SimpleNamespace(head=heads.detect(causal_lm_of(cand)), seam=None, config=None)
+    return done, lambda causal_lm, seam, config: "Liger's own fused loss"
 
 
 def _engage_bf16(cand, stage: int, seen: list):
@@ -147,8 +148,9 @@ def run_case(case: str, rank: int, world: int) -> dict:
     cand = copy.deepcopy(ref)
     ref.train(), cand.train()
     kernel_dtypes: list = []
+    describe = engaged_line
     if liger:
-        done, engaged_line = _liger(ref, cand)
+        done, describe = _liger(ref, cand)
     elif bf16:  # as LLaMA-Factory's loader hands it over: the plugin's whole engage, its ZeRO-3 dtype policy included
         done = _engage_bf16(cand, stage, kernel_dtypes)
         ref.to(torch.bfloat16)  # the same policy for the unfused reference (what DeepSpeed does under ZeRO-0/1/2)
@@ -182,7 +184,7 @@ def run_case(case: str, rank: int, world: int) -> dict:
             result["empty_step_grads"] = {"finite": all(bool(torch.isfinite(g).all()) for g in grads if g is not None),
                                           "zero": all(not g.any() for g in grads if g is not None)}
         if step == 0:
-            result["engaged"] = engaged_line(causal_lm, getattr(done, "seam", None), getattr(done, "config", None))
+            result["engaged"] = describe(causal_lm, done.seam, done.config)
             result["loss_rel"] = abs(float(loss) - ref_losses[rank]) / abs(ref_losses[rank])
             ref_named = dict(ref.named_parameters())
             grads = {n: safe_get_full_grad(p) for n, p in trainable}
