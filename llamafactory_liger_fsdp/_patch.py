@@ -20,8 +20,12 @@ class Patch:
     replacement: Any
     why: str
 
+    label: str = ""  # set for a registry entry (:func:`put`)
+
     @property
     def where(self) -> str:
+        if self.label:
+            return self.label
         owner = getattr(self.owner, "__name__", type(self.owner).__name__)
         module = getattr(self.owner, "__module__", None)
         prefix = f"{module}." if module and not inspect.ismodule(self.owner) else ""
@@ -29,6 +33,7 @@ class Patch:
 
 
 _APPLIED: list[Patch] = []
+_ABSENT = object()
 _LOGGED = False
 
 
@@ -81,6 +86,16 @@ def rebind(module: Any, name: str, old: Any, new: Any, why: str) -> None:
         _APPLIED.append(Patch(module, name, old, new, why))
 
 
+def put(mapping: dict, key: str, value: Any, why: str, where: str) -> Patch:
+    """Add ``mapping[key] = value`` (a third-party registry entry), recorded and undone like an attribute."""
+    patch = Patch(mapping, key, mapping.get(key, _ABSENT), value, why, where)
+    mapping[key] = value
+    _APPLIED.append(patch)
+    if _LOGGED:
+        info_rank0(f"[liger_fsdp] patched {patch.where}: {why}")
+    return patch
+
+
 def log_once() -> None:
     """Log (rank 0, once per process) every patch in place and why."""
     global _LOGGED
@@ -101,6 +116,13 @@ def undo(owner: Any, name: str) -> None:
 def _restore(patch: Patch) -> None:
     import sys
 
+    if isinstance(patch.owner, dict):
+        if patch.owner.get(patch.name) is patch.replacement:
+            if patch.original is _ABSENT:
+                del patch.owner[patch.name]
+            else:
+                patch.owner[patch.name] = patch.original
+        return
     if getattr(patch.owner, patch.name, None) is patch.replacement:
         setattr(patch.owner, patch.name, patch.original)
     for module in list(sys.modules.values()):

@@ -55,17 +55,19 @@ def check_model(causal_lm: nn.Module) -> families.Family:
 
 
 def engage(model: nn.Module, config: LigerFsdpConfig | None = None, *, backend: str | None = None,
-           preference: bool = False) -> Engaged | None:
+           any_head: bool = False, request_only: bool = False) -> Engaged | None:
     """Make ``model`` compute its training loss with the fused kernel; None when nothing needed doing.
 
-    ``preference`` (DPO/KTO): log-probs are needed from any head, a frozen one included (the reference pass, a
-    separate reference model). Call before FSDP wraps the model (the tags decide the wrapping)."""
+    ``any_head`` (DPO/KTO, v1): log-probs are needed from any head, a frozen one included (the reference pass, a
+    separate reference model, v1's logits-based loss). ``request_only`` (v1): only explicit log-probs requests take
+    the fused path (:class:`.forward.ForwardState`). Call before FSDP wraps the model (the tags decide the
+    wrapping)."""
     cfg = config or LigerFsdpConfig(enabled=True, backend=backend or "auto")
     causal_lm = causal_lm_of(model)
     if ATTR in causal_lm.__dict__:
         return causal_lm.__dict__[ATTR]
     family = check_model(causal_lm)
-    head = heads.detect(causal_lm, trained_only=not preference)
+    head = heads.detect(causal_lm, trained_only=not any_head)
     if isinstance(head, str):
         info_rank0(f"[liger_fsdp] not engaged: {head}; the plain loss has nothing to fix.")
         return None
@@ -76,7 +78,7 @@ def engage(model: nn.Module, config: LigerFsdpConfig | None = None, *, backend: 
             wrapping.mark_unit(module)
             marked.append(path)
     seam = HeadLoss(causal_lm, head, family, cfg.backend)
-    forward = make_forward(causal_lm, seam, ForwardState(cfg))
+    forward = make_forward(causal_lm, seam, ForwardState(cfg, request_only))
     causal_lm.__dict__[ATTR] = Engaged(head, family, cfg, tuple(marked), seam)
     causal_lm.__dict__["forward"] = forward
     return causal_lm.__dict__[ATTR]

@@ -8,8 +8,10 @@ Set on the causal LM *instance* by :func:`..engage.engage`. In training with lab
    loss variant), and
 3. adds the family's other terms as data (:mod:`.families`: the MoE aux loss, the output's fields).
 
-The preference stages ask explicitly: :func:`token_logps` calls the whole model with a pending request, and the
-forward answers it with per-token log-probs (:meth:`.losses.HeadLoss.token_logps`) instead of logits.
+The preference stages and LLaMA-Factory's v1 trainers ask explicitly: :func:`token_logps` calls the whole model with a
+pending request, and the forward answers it with per-token log-probs (:meth:`.losses.HeadLoss.token_logps`) instead of
+logits. With ``request_only`` (v1, whose callers read ``.logits`` whenever they pass labels) only such requests take
+the fused path, and the guard checks the first request made in training.
 
 On the first training step with labels the exactness guard (:mod:`.guard`) compares it with the original forward.
 In eval, or without labels, the original forward runs untouched (callers may want the logits); in
@@ -21,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -29,7 +33,16 @@ from torch import nn
 from . import families, report, transport
 from ._log import info_rank0
 from .config import LigerFsdpConfig
-from .losses import HeadLoss
+from .losses import HeadLoss, shifted_labels
+
+
+@dataclass
+class Request:
+    """One pending :func:`token_logps` call: its labels, whether the logit sums are wanted, the trainer's step."""
+
+    labels: torch.Tensor
+    sums: bool = True
+    step: int | None = None
 
 
 class ForwardState:
@@ -39,14 +52,15 @@ class ForwardState:
     the kernel -- for a caller that passes the labels instead of letting the Trainer pop them (the Trainer's own
     smoother is then off)."""
 
-    def __init__(self, config: LigerFsdpConfig):
+    def __init__(self, config: LigerFsdpConfig, request_only: bool = False):
         self.config = config
         self.steps = 0  # training forwards with labels so far (log-probs forwards count once, for the line)
         self.guard = config.guard  # still to run (it defers itself while no rank has a labelled position)
         self.start_step, self.grad_accum = config.start_step, max(1, config.grad_accum)
         self.label_smoothing = 0.0
         self.said_no_labels = False
-        self.logps_labels: torch.Tensor | None = None  # set by token_logps() for exactly one call
+        self.request: Request | None = None  # set by token_logps() for exactly one call
+        self.request_only = request_only  # v1: training calls with labels but no request run the original forward
 
     @property
     def global_step(self) -> int:
@@ -60,26 +74,32 @@ NO_LABELS = ("[liger_fsdp] training forward without labels: the fused path is by
              "logits itself (for causal-LM classes the plugin keeps the labels and the kernel smooths).")
 
 
+OUTSIDE_REQUEST = ("[liger_fsdp] a training forward outside the trainer's log-probs call (v1): the model computes its "
+                   "full logits for it, as without the plugin (correct, without the memory saving).")
+
+
 def state_of(causal_lm: nn.Module) -> ForwardState | None:
     """The fused forward's state of an engaged causal LM (None when it is not engaged)."""
     return getattr(causal_lm.__dict__.get("forward"), "liger_fsdp_state", None)
 
 
 @contextlib.contextmanager
-def _request(state: ForwardState, labels: torch.Tensor):
-    state.logps_labels = labels
+def _pending(state: ForwardState, request: Request):
+    state.request = request
     try:
         yield
     finally:
-        state.logps_labels = None
+        state.request = None
 
 
-def token_logps(model: nn.Module, causal_lm: nn.Module, inputs: dict, labels: torch.Tensor):
-    """The preference stages' call: ``model(**inputs)`` (the whole wrapped model, so FSDP / DeepSpeed run their
-    root hooks) answered by the fused forward of ``causal_lm`` with per-token log-probs instead of logits.
-    Returns (fp32 log-probs ``[B, T-1]``, fp32 per-position logit sums ``[B, T]``, vocabulary size)."""
+def token_logps(model: nn.Module, causal_lm: nn.Module, inputs: dict, labels: torch.Tensor, *, sums: bool = True,
+                step: int | None = None):
+    """The preference stages' and v1's call: ``model(**inputs)`` (the whole wrapped model, so FSDP / DeepSpeed run
+    their root hooks) answered by the fused forward of ``causal_lm`` with per-token log-probs instead of logits.
+    Returns (fp32 log-probs ``[B, T-1]``, fp32 per-position logit sums ``[B, T]`` or None without ``sums``,
+    vocabulary size). ``step`` is the trainer's optimizer step (the guard's messages)."""
     state = state_of(causal_lm)
-    with _request(state, labels):
+    with _pending(state, Request(labels, sums, step)):
         out = model(**inputs, return_dict=True, use_cache=False)
     logps, sums = transport.unpack(out)
     return logps, sums, out.vocab_size
@@ -116,14 +136,30 @@ def make_forward(causal_lm: nn.Module, seam: HeadLoss, state: ForwardState):
         )
         return families.build_output(family, causal_lm, loss, outputs, params.get("attention_mask"), with_aux)
 
-    def logps(params: dict, extra: dict, labels) -> transport.LogpsOutput:
-        """Preference stages: per-token log-probs and per-position logit sums, any mode (the reference pass too)."""
+    def window_logps_loss(params: dict, extra: dict, labels, window):
+        """The guard's fused side for v1: the mean of ``-token_logps`` over the window (what the model's own loss is
+        on those positions), through the same per-row kernel call as the real request."""
+        rows, start, end = window
+        hidden = getattr(causal_lm, decoder_attr)(**params, **extra).last_hidden_state[rows, start:end]
+        labels = labels[rows, start:end]
+        logps, _ = seam.token_logps(hidden, labels, sums=False)
+        count = (shifted_labels(labels, -100)[..., :-1] != -100).sum()
+        return SimpleNamespace(loss=-logps.sum() / count)
+
+    def logps(params: dict, extra: dict, request: Request) -> transport.LogpsOutput:
+        """Per-token log-probs (and per-position logit sums when asked), any mode (the reference pass too)."""
         for key in ("labels", "logits_to_keep", "output_router_logits"):
             params.pop(key, None)
         if state.steps == 0:
             first_step()
+        if state.request_only and state.guard and causal_lm.training and torch.is_grad_enabled():
+            from . import guard
+
+            step = request.step if request.step is not None else state.global_step
+            state.guard = not guard.check(causal_lm, seam, original, signature, window_logps_loss, params, extra,
+                                          request.labels, step=step)
         outputs = getattr(causal_lm, decoder_attr)(**params, **extra)
-        token_logps, sums = seam.token_logps(outputs.last_hidden_state, labels)
+        token_logps, sums = seam.token_logps(outputs.last_hidden_state, request.labels, sums=request.sums)
         return transport.pack(token_logps, sums, seam.vocab_size)
 
     def loss(params: dict, extra: dict, labels):
@@ -145,12 +181,17 @@ def make_forward(causal_lm: nn.Module, seam: HeadLoss, state: ForwardState):
     def forward(*args: Any, **kwargs: Any):
         params = dict(signature.bind_partial(*args, **kwargs).arguments)
         extra = dict(params.pop(var_kw, {}) if var_kw else {})
-        if state.logps_labels is not None:  # token_logps() asked for this call
-            labels, state.logps_labels = state.logps_labels, None
-            return logps(params, extra, labels)
+        if state.request is not None:  # token_logps() asked for this call
+            request, state.request = state.request, None
+            return logps(params, extra, request)
         labels = params.get("labels")
-        if causal_lm.training and labels is not None:
+        if causal_lm.training and labels is not None and not state.request_only:
             return loss(params, extra, labels)
+        if state.request_only:
+            if causal_lm.training and not state.said_no_labels:
+                state.said_no_labels = True
+                info_rank0(OUTSIDE_REQUEST)
+            return original(*args, **kwargs)
         if causal_lm.training and not state.said_no_labels:
             state.said_no_labels = True
             info_rank0(NO_LABELS)

@@ -46,7 +46,8 @@ from .losses import shifted_labels
 BUDGET = 256
 BOUNDS = {torch.float32: (1e-4, 1e-6), torch.float64: (1e-4, 1e-6)}
 LOW_PRECISION = (2e-3, 1e-4)
-TEXT_INPUTS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds", "shift_labels")
+TEXT_INPUTS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds", "shift_labels",
+               "loss_weights")  # v1's per-token weights (the model ignores them)
 OK, MISMATCH, DATA, FAILED = 0, 1, 2, 3
 
 

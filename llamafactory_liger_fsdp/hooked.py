@@ -6,9 +6,12 @@ Names only: the import hook (:mod:`._bootstrap`) reads them at every interpreter
 PARSER = "llamafactory.hparams.parser"
 LOADER = "llamafactory.model.loader"
 LAUNCHER = "llamafactory.launcher"
-V1_LAUNCHER = "llamafactory.v1.launcher"  # USE_V1=1: the v1 engine (refused: it never calls load_model)
+# USE_V1=1, the v1 engine (torchrun ranks run its launcher as __main__: they are reached through the other two)
+V1_LAUNCHER = "llamafactory.v1.launcher"
+V1_PARSER = "llamafactory.v1.config.arg_parser"
+V1_KERNELS = "llamafactory.v1.plugins.model_plugins.kernels.interface"
 
-MODULES = frozenset((PARSER, LOADER, LAUNCHER, V1_LAUNCHER))
+MODULES = frozenset((PARSER, LOADER, LAUNCHER, V1_LAUNCHER, V1_PARSER, V1_KERNELS))
 
 # Patched later, by a run of their stage only (imported then, not hooked at import).
 DPO = "llamafactory.train.dpo.trainer"

@@ -122,12 +122,13 @@ class HeadLoss:
             num_items_in_batch = num_items_in_batch.to(loss.device)
         return loss / num_items_in_batch
 
-    def token_logps(self, hidden: torch.Tensor, labels: torch.Tensor,
-                    ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_logps(self, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                    sums: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """For ``hidden [B, T, H]`` and unshifted ``labels [B, T]``: (``logps [B, T-1]``: log p of ``labels[:, 1:]``,
         0 where ignored, fp32; ``logit_sums [B, T]``: each position's sum of its logits over the vocabulary, fp32,
-        no gradient -- LLaMA-Factory's ``logits/*`` metrics -- from the same gathered weight). The head strategy
-        follows PEFT's ``disable_adapter()`` at call time (the reference pass reads the base head)."""
+        no gradient -- LLaMA-Factory's ``logits/*`` metrics -- from the same gathered weight, or None when ``sums`` is
+        false). The head strategy follows PEFT's ``disable_adapter()`` at call time (the reference pass reads the base
+        head)."""
         b, t, _ = hidden.shape
         h = hidden.reshape(-1, hidden.shape[-1])
         y = shifted_labels(labels, ignore_index).reshape(-1).to(h.device)
@@ -135,8 +136,12 @@ class HeadLoss:
         softcap = self.softcap
 
         def kernel(h_in: torch.Tensor, w: torch.Tensor, y_in: torch.Tensor, frozen_weight: torch.Tensor | None = None):
+            ce = per_row(h_in, w, y_in, frozen_weight=frozen_weight)
+            if not sums:
+                return ce
             full = w if frozen_weight is None else torch.cat([frozen_weight, w.detach()], dim=1)
-            return per_row(h_in, w, y_in, frozen_weight=frozen_weight), _row_logit_sums(h_in, full, softcap)
+            return ce, _row_logit_sums(h_in, full, softcap)
 
-        ce, sums = self.head.live(self.causal_lm).run(self.causal_lm, h, y, self._scaled(kernel))
-        return -ce.view(b, t)[:, :-1], sums.view(b, t)
+        out = self.head.live(self.causal_lm).run(self.causal_lm, h, y, self._scaled(kernel))
+        ce, logit_sums = out if sums else (out, None)
+        return -ce.view(b, t)[:, :-1], None if logit_sums is None else logit_sums.view(b, t)

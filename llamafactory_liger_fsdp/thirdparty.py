@@ -62,6 +62,18 @@ def is_dtensor(obj: Any) -> bool:
     return isinstance(obj, _torch_distributed()[3])
 
 
+def is_module_wrapper(obj: Any) -> bool:
+    """DDP or a DeepSpeed engine: the model is its ``.module`` (an engine exists only once deepspeed is imported)."""
+    import sys
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(obj, DistributedDataParallel):
+        return True
+    engine = sys.modules.get("deepspeed.runtime.engine")
+    return engine is not None and isinstance(obj, engine.DeepSpeedEngine)
+
+
 def is_zero3_param(obj: Any) -> bool:
     """A parameter partitioned by DeepSpeed ZeRO-3 (``deepspeed.runtime.zero.partition_parameters``)."""
     return hasattr(obj, "ds_id") and hasattr(obj, "ds_status")

@@ -54,13 +54,14 @@ class LogpsOutput(ModelOutput):
     vocab_size: int | None = None  # the logits' last dimension
 
 
-def pack(logps: torch.Tensor, logit_sums: torch.Tensor, vocab_size: int) -> LogpsOutput:
+def pack(logps: torch.Tensor, logit_sums: torch.Tensor | None, vocab_size: int) -> LogpsOutput:
     """The model output, each fp32 tensor as two parts that survive the root unit's bf16 output cast."""
     _, hi, lo = split_fp32(logps)
-    _, s_hi, s_lo = split_fp32(logit_sums)
+    _, s_hi, s_lo = split_fp32(logit_sums) if logit_sums is not None else (None, None, None)
     return LogpsOutput(logps=hi, logps_lo=lo, logit_sums=s_hi, logit_sums_lo=s_lo, vocab_size=vocab_size)
 
 
-def unpack(out: LogpsOutput) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 per-token log-probs, fp32 per-position logit sums) of a model output."""
-    return out.logps.float() + out.logps_lo.float(), out.logit_sums.float() + out.logit_sums_lo.float()
+def unpack(out: LogpsOutput) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fp32 per-token log-probs, fp32 per-position logit sums or None) of a model output."""
+    sums = None if out.logit_sums is None else out.logit_sums.float() + out.logit_sums_lo.float()
+    return out.logps.float() + out.logps_lo.float(), sums

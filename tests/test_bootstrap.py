@@ -41,17 +41,23 @@ def test_hook_imports_nothing_at_start():
     assert set(under) <= {"llamafactory_liger_fsdp", "llamafactory_liger_fsdp.hooked"}, under
 
 
-def test_v1_engine_refused_before_any_rank(tmp_path):
-    """USE_V1=1 (LLaMA-Factory's v1 engine never calls load_model): refused in the launching process, key and fix."""
+@pytest.mark.parametrize("yaml, expected", [
+    ("liger_fsdp: true\n", "`liger_fsdp`: on LLaMA-Factory's v1 engine"),
+    ("kernel_config: {name: liger_fsdp}\ndist_config: {name: fsdp2, cp_size: 2}\n", "`cp_size: 2`"),
+    ("kernel_config: {name: liger_fsdp, liger_fsdp_gaurd: false}\n", "Unknown key(s) `liger_fsdp_gaurd`"),
+])
+def test_v1_engine_refusals_before_any_rank(tmp_path, yaml, expected):
+    """USE_V1=1: what the yaml alone decides is refused in the launching process, once, last, with the fix."""
     cfg = tmp_path / "v1.yaml"
-    cfg.write_text("model: whatever\nliger_fsdp: true\n")
+    cfg.write_text("model: whatever\n" + yaml)
     cli = os.path.join(os.path.dirname(sys.executable), "llamafactory-cli")
     proc = subprocess.run([cli, "sft", str(cfg)], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, USE_V1="1", FORCE_TORCHRUN="1", NPROC_PER_NODE="2"))
     assert proc.returncode == 1
-    last = (proc.stdout + proc.stderr).strip().splitlines()[-1]
-    assert last.startswith("[liger_fsdp] error: `liger_fsdp: true`") and "USE_V1" in last and "Fix: unset USE_V1" in last
-    assert "Initializing 2 distributed tasks" not in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("[liger_fsdp] error: ") and expected in last and "Fix:" in last, out[-3000:]
+    assert out.count("[liger_fsdp] error") == 1 and "Initializing 2 distributed tasks" not in out
 
 
 def test_loader_and_reexports_patched():

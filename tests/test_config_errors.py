@@ -290,9 +290,8 @@ def test_keys_take_their_defaults_from_the_dataclass():
 
 
 def test_one_reader_of_the_command_line(tmp_path):
-    """The parser's split, the refusals and the v1 launcher read a command line the same way (args.argv_values)."""
+    """The parser's split and the refusals read a command line the same way (args.argv_values)."""
     from llamafactory_liger_fsdp.args import true_or_false, truthy
-    from llamafactory_liger_fsdp.integration.llamafactory import v1_requested
 
     argv = ["--stage", "sft", "--liger_fsdp", "--liger_fsdp_backend=torch", "--use_dora", "--lora_target", "lm_head"]
     rest, ours = config.split(argv)
@@ -300,9 +299,5 @@ def test_one_reader_of_the_command_line(tmp_path):
     assert ours == {"liger_fsdp": "true", "liger_fsdp_backend": "torch"}
     with pytest.raises(LigerFsdpConfigError, match="DoRA"):
         refusals.check_raw(rest)
-    cfg = tmp_path / "v1.yaml"
-    cfg.write_text("liger_fsdp: true\n")
-    assert v1_requested([str(cfg)]) and v1_requested(["--liger_fsdp"]) and v1_requested(["liger_fsdp=yes"])
-    assert not v1_requested([str(cfg), "liger_fsdp=false"]) and not v1_requested([])
     assert [true_or_false(v) for v in (True, " False ", "yes", 1)] == [True, False, None, None]
     assert [truthy(v) for v in ("1", "ON", True, "0", "", None)] == [True, True, True, False, False, False]

@@ -72,7 +72,7 @@ def _compare(trainer, plain, fused, batch, train_eval=None, on=ON):
 def _twins(kind, family="llama"):
     plain = make_peft(make_model(family), kind)
     fused = copy.deepcopy(plain)
-    assert engage(fused, ON, preference=True) is not None
+    assert engage(fused, ON, any_head=True) is not None
     return plain, fused
 
 
@@ -109,7 +109,7 @@ def test_dpo_through_triton_fast(tmp_path, kind, monkeypatch):
         plain = make_peft(make_model("llama"), kind)
     fused = copy.deepcopy(plain)
     on = config.LigerFsdpConfig(enabled=True, backend="triton_fast")
-    assert engage(fused, on, preference=True) is not None
+    assert engage(fused, on, any_head=True) is not None
     trainer = _trainer(CustomDPOTrainer, tmp_path, plain, stage="dpo", pref_loss="sigmoid")
     _compare(trainer, plain, fused, _pairs(seed=5), on=on)
     assert calls == [kind != "frozen"]  # the policy pass (the reference pass has no gradient: forward only)

@@ -11,8 +11,10 @@ LLaMA-Factory, always (:mod:`.llamafactory`, patched by the import hook right af
 * ``llamafactory.model.loader.load_model`` -- after LLaMA-Factory built the (PEFT) model,
   :func:`..engage.engage` sets the fused forward and tags the head's FSDP units.
 * ``llamafactory.launcher.launch`` -- ``llamafactory-cli train``'s launching process checks what the
-  yaml alone decides before any rank starts (one error, printed once, last); ``llamafactory.v1.launcher.launch``
-  (``USE_V1=1``, the v1 engine, which never calls ``load_model``) refuses ``liger_fsdp`` the same way.
+  yaml alone decides before any rank starts (one error, printed once, last).
+
+LLaMA-Factory's v1 engine (``USE_V1=1``; :mod:`.v1`): its launcher (the same check), its ``get_args`` and its kernel
+registry (entry ``liger_fsdp``); once engaged, ``BaseTrainer.compute_log_probs`` and, under FSDP2, its ``fully_shard``.
 
 The other groups are patched by :func:`.llamafactory.engage_model` only when this run needs it, recorded on the
 engaged model and undone by :func:`..engage.disengage`:
@@ -43,19 +45,20 @@ from typing import Any
 
 from .. import _patch
 from .._log import info_rank0
-from ..hooked import LAUNCHER, LOADER, PARSER, V1_LAUNCHER
+from ..hooked import LAUNCHER, LOADER, MODULES, PARSER, V1_KERNELS, V1_LAUNCHER, V1_PARSER
 
 
 def on_module_loaded(name: str, module: Any) -> None:
     """Called by the import hook right after a hooked LLaMA-Factory module has executed: the parser, loader and
     launcher are hooked in every process (the keys must parse); the preference trainers are patched later, only
     by a run of their stage (:func:`.preference.patch_stage`)."""
-    from . import llamafactory
+    if name not in MODULES:
+        return
+    from . import llamafactory, v1
 
     patchers = {PARSER: llamafactory.patch_parser, LOADER: llamafactory.patch_loader,
-                LAUNCHER: llamafactory.patch_launcher, V1_LAUNCHER: llamafactory.patch_v1_launcher}
-    if name not in patchers:
-        return
+                LAUNCHER: llamafactory.patch_launcher, V1_LAUNCHER: v1.patch_v1_launcher,
+                V1_PARSER: v1.patch_v1_parser, V1_KERNELS: v1.patch_v1_kernels}
     try:
         patchers[name](module)
     except _patch.PatchError as exc:

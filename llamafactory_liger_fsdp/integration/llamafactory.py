@@ -1,5 +1,5 @@
-"""The LLaMA-Factory patches of :mod:`.` that are always in place: its parser, loader and launchers (the default
-engine's and v1's)."""
+"""The LLaMA-Factory patches of :mod:`.` that are always in place for the default engine: its parser, loader and
+launcher (v1's are :mod:`.v1`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Any
 
 from .. import _patch, config, refusals, sharding, thirdparty, versions
 from .._log import info_rank0
-from ..args import argv_values, truthy
 from ..checkpoint import resume
 from ..config import LigerFsdpConfigError
 
@@ -157,7 +156,7 @@ def engage_model(model: Any, cfg: config.LigerFsdpConfig, finetuning_args: Any =
     engage.record(model, [undo] if undo is not None else [])
     if kind == sharding.FSDP2 and getattr(finetuning_args, "finetuning_type", None) in resume.ADAPTER_FINETUNING:
         engage.record(model, trainer.patch_checkpointing(cfg))
-    done = engage.engage(model, cfg, preference=stage in refusals.PREFERENCE_STAGES)
+    done = engage.engage(model, cfg, any_head=stage in refusals.PREFERENCE_STAGES)
     if done is None:
         return None
     if kind == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:
@@ -222,32 +221,3 @@ def patch_launcher(launcher_module: Any) -> None:
         return launch
 
     _patch.apply(launcher_module, "launch", make, "refuse what the yaml alone decides before any rank starts")
-
-
-# --------------------------------------------------------------------------- the v1 engine's launcher
-V1_COMMANDS = ("train", "sft", "dpo", "rm")
-
-
-def v1_requested(argv: list[str]) -> bool:
-    """Whether a ``USE_V1=1 llamafactory-cli <command> cfg.yaml [key=value ...]`` asks for ``liger_fsdp``."""
-    return truthy(argv_values(argv).get("liger_fsdp", False))
-
-
-def patch_v1_launcher(launcher_module: Any) -> None:
-    """LLaMA-Factory's v1 engine (``USE_V1=1``) trains without ``load_model``: refused before any rank starts."""
-    _patch.require_params(launcher_module.launch, (), "launch")
-
-    def make(original):
-        def launch():
-            if sys.argv[1:2] and sys.argv[1] in V1_COMMANDS and v1_requested(sys.argv[2:]) \
-                    and not config.disabled_by_env():
-                print("[liger_fsdp] error: `liger_fsdp: true` works with LLaMA-Factory's default engine; USE_V1=1 "
-                      "starts the v1 engine, whose trainers build the model without LLaMA-Factory's load_model, so the "
-                      "fused loss would never engage. Fix: unset USE_V1 (and train with `llamafactory-cli train`), or "
-                      "remove `liger_fsdp`.", file=sys.stderr, flush=True)
-                sys.exit(1)
-            return original()
-
-        return launch
-
-    _patch.apply(launcher_module, "launch", make, "refuse liger_fsdp on the v1 engine before any rank starts")

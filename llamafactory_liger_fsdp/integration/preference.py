@@ -33,7 +33,7 @@ def _fused_model(trainer: Any, model: Any) -> bool:
         return True
     if model is not getattr(trainer, "ref_model", None):
         return False
-    done = engage.engage(unwrapped, cfg, preference=True)
+    done = engage.engage(unwrapped, cfg, any_head=True)
     if done is not None:
         info_rank0(f"[liger_fsdp] reference model: {done.head.describe()}; its log-probs come from the fused kernel too.")
     return done is not None
