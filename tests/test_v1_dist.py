@@ -1,0 +1,49 @@
+"""LLaMA-Factory's v1 engine end to end: ``USE_V1=1 llamafactory-cli sft`` on 2 gloo ranks, with and without
+``kernel_config: {name: liger_fsdp}``. Per-step losses equal v1's own run (fp32, 1e-5) and so do the saved weights
+after three AdamW steps (1e-4: AdamW divides each gradient element by its own running norm, so the fp32 summation-order
+difference of a near-zero gradient element reaches the weight at ~1e-5; the gradients themselves are compared at 1e-5
+in ``test_v1.py``); the head is computed through units of its own (v1's FSDP2 engine really sharded it) and the guard
+checked step 1."""
+
+import pytest
+
+pytest.importorskip("llamafactory.v1")
+
+from llamafactory_liger_fsdp.testing import rel  # noqa: E402
+from support.v1 import losses, run_v1, v1_yaml, weights  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+UNITS = {  # the engaged line's units per head kind under FSDP2
+    "mts": "through 1 FSDP unit(s) (lm_head.modules_to_save.default)",
+    "lora": "through 2 FSDP unit(s) (lm_head.base_layer, lm_head.lora_B.default)",  # A h: lora_A's own call
+    "full": "through 1 FSDP unit(s) (lm_head)",
+}
+
+
+def _pair(assets, tmp_path, head, **overrides):
+    runs = {}
+    for plugin in (False, True):
+        out = tmp_path / f"{head}_{'plugin' if plugin else 'plain'}"
+        rc, log = run_v1(v1_yaml(assets, out, head, plugin=plugin, **overrides))
+        assert rc == 0, log[-6000:]
+        runs[plugin] = (log, losses(out), weights(out))
+    (_, plain_losses, plain_w), (log, plugin_losses, plugin_w) = runs[False], runs[True]
+    assert len(plain_losses) == 3 and all(rel(a, b) < 1e-5 for a, b in zip(plugin_losses, plain_losses)), \
+        (plugin_losses, plain_losses)
+    assert plain_w.keys() == plugin_w.keys()
+    for name, tensor in plain_w.items():
+        assert rel(plugin_w[name], tensor) < 1e-4, name
+    assert log.count("[liger_fsdp] engaged:") == 1 and "[liger_fsdp] guard: step 1 exact" in log, log[-6000:]
+    return log
+
+
+@pytest.mark.parametrize("head", ["mts", "lora", "full"])
+def test_fsdp2_equals_v1s_own(assets, tmp_path, head):
+    log = _pair(assets, tmp_path, head)
+    assert "sharding=FSDP2" in log and UNITS[head] in log, log[-6000:]
+
+
+def test_ddp_equals_v1s_own(assets, tmp_path):
+    log = _pair(assets, tmp_path, "mts", dist_config=None)
+    assert "sharding=DDP" in log and "on the whole (unpartitioned) head weight" in log, log[-6000:]
