@@ -1,5 +1,5 @@
 """``python -m llamafactory_liger_fsdp doctor [sft.yaml [key=value ...]]``: versions, whether the import hook
-is active, and for a yaml what the plugin will decide, with the same code as training.
+is active, and for a yaml what the plugin will decide, with the same code as training (a v1 yaml: :mod:`.doctor_v1`).
 
 Works on a machine without a GPU (a login node): when LLaMA-Factory rejects the yaml only because of this
 machine (``bf16`` without a GPU, a ``deepspeed:`` yaml outside a torchrun rank, a Triton backend without
@@ -151,6 +151,16 @@ def _check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, li
     return True, lines
 
 
+def _raw(argv: list[str]) -> dict | None:
+    """The yaml as a dict (for telling a v1 yaml apart), None where it cannot be read."""
+    from . import v1_args
+
+    try:
+        return v1_args.read_raw(argv)
+    except Exception:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "doctor":
@@ -171,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     from . import _bootstrap
 
     _bootstrap.install()  # evaluate the yaml as the hook would, even where it is not active
-    ok, lines = check_yaml(argv[0], argv[1:])
+    from . import doctor_v1
+
+    ok, lines = (doctor_v1.check_yaml if doctor_v1.is_v1(_raw(argv)) else check_yaml)(argv[0], argv[1:])
     print(f"\n{argv[0]}:")
     for line in lines:
         print(f"  {line}")

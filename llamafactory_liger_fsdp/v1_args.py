@@ -75,8 +75,8 @@ def top_level_keys(raw: Mapping) -> None:
     if found:
         raise LigerFsdpConfigError(
             f"{', '.join(f'`{k}`' for k in found)}: on LLaMA-Factory's v1 engine (USE_V1=1) the plugin is a kernel and "
-            f"its keys go inside `{KEY}`. Fix: `{KEY}: {{name: {NAME}}}` (with `liger_fsdp_guard`, `liger_fsdp_backend` "
-            f"beside `name` if needed) instead of top-level keys.")
+            f"its keys go inside `{KEY}`. Fix: `{KEY}: {{name: {NAME}}}` (with `liger_fsdp_guard`, "
+            f"`liger_fsdp_backend` beside `name` if needed) instead of top-level keys.")
 
 
 def values_of(model_args: Any, training_args: Any) -> dict:

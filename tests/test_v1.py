@@ -34,7 +34,8 @@ def apply_kernel(model, kernel_config=None):
     if hasattr(interface, "apply_kernels"):  # git main
         return interface.apply_kernels(model, kernel_config, require_logits=True)
     v1._RUN["config"] = v1_args.config_of(kernel_config)  # 0.9.5's kernels get no kernel_config: get_args keeps it
-    return interface.KernelPlugin(kernel_config["name"])(model=model, include_kernels=kernel_config.get("include_kernels"))
+    plugin = interface.KernelPlugin(kernel_config["name"])
+    return plugin(model=model, include_kernels=kernel_config.get("include_kernels"))
 
 
 def frozen_head(model):
@@ -75,7 +76,7 @@ def test_registered_in_the_installed_v1():
     done = engage.engaged(model)
     assert done is not None and done.head.kind == "modules_to_save"
     assert forward.state_of(engage.causal_lm_of(model)).request_only
-    shape = "BaseKernel" if hasattr(interface, "apply_kernels") else "function"
+    shape = "BaseKernel classes, git main" if hasattr(interface, "apply_kernels") else "functions, 0.9.5"
     from llamafactory_liger_fsdp import _patch
 
     assert any(shape in p.why and v1_args.NAME in p.where for p in _patch._APPLIED)
@@ -222,3 +223,22 @@ def test_no_output_embedding_refused():
     model = AutoModelForTokenClassification.from_config(cfg)
     with pytest.raises(LigerFsdpConfigError, match="no output embedding.*Fix"):
         apply_kernel(model)
+
+
+def test_doctor_reads_a_v1_yaml(assets, monkeypatch, capsys):
+    """``doctor`` tells a v1 yaml apart (``model:``) and decides with v1's rules: the registry of the installed v1, the
+    sharding, the model type, the head kind; a refusal is an error line and exit status 1."""
+    import os
+
+    from llamafactory_liger_fsdp import doctor
+
+    recipe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "tiny_cpu",
+                          "v1_sft.yaml")
+    monkeypatch.setenv("LLAMAFACTORY_VERBOSITY", "WARN")
+    assert doctor.main(["doctor", recipe, f"model={assets / 'model'}"]) == 0
+    out = capsys.readouterr().out
+    for line in (f"`{v1_args.NAME}` registered", "liger_fsdp: on", "sharding: FSDP2", "model type llama",
+                 "will engage: head=modules_to_save"):
+        assert line in out, out
+    assert doctor.main(["doctor", recipe, f"model={assets / 'model'}", "cp_size=2"]) == 1
+    assert "error: `cp_size: 2`" in capsys.readouterr().out

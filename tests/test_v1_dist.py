@@ -47,3 +47,20 @@ def test_fsdp2_equals_v1s_own(assets, tmp_path, head):
 def test_ddp_equals_v1s_own(assets, tmp_path):
     log = _pair(assets, tmp_path, "mts", dist_config=None)
     assert "sharding=DDP" in log and "on the whole (unpartitioned) head weight" in log, log[-6000:]
+
+
+def test_zero3_equals_v1s_own(assets, tmp_path):
+    """v1's DeepSpeed engine, ZeRO-3, full fine-tuning: the head weight is gathered by DeepSpeed's own hooks."""
+    pytest.importorskip("deepspeed")
+    import json
+
+    ds = tmp_path / "zero3.json"
+    ds.write_text(json.dumps({
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "zero_allow_untested_optimizer": True, "bf16": {"enabled": False},
+        "zero_optimization": {"stage": 3, "overlap_comm": False, "contiguous_gradients": True,
+                              "stage3_param_persistence_threshold": 0,
+                              "stage3_gather_16bit_weights_on_model_save": True}}))
+    log = _pair(assets, tmp_path, "full", dist_config={"name": "deepspeed", "config_file": str(ds)})
+    assert "sharding=DeepSpeed ZeRO-3" in log and "through DeepSpeed's gather hooks of 1 module(s) (lm_head)" in log, \
+        log[-6000:]

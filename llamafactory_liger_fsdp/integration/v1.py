@@ -128,14 +128,14 @@ def patch_v1_kernels(interface_module: Any) -> None:
         base = getattr(importlib.import_module(interface_module.__package__ + ".base"), "BaseKernel", None)
         if base is None:
             raise _patch.PatchError("v1's BaseKernel not found")
-        _patch.put(registry, v1_args.NAME, _kernel_class(base), "v1 kernel `liger_fsdp` (BaseKernel registry)",
-                   f"{plugin.__module__}.KernelPlugin[{v1_args.NAME!r}]")
+        _patch.put(registry, v1_args.NAME, _kernel_class(base), "v1 kernel `liger_fsdp` (registry of BaseKernel "
+                   "classes, git main)", f"{plugin.__module__}.KernelPlugin[{v1_args.NAME!r}]")
     elif "method_name" in inspect.signature(plugin.register).parameters:  # 0.9.5: functions, (model, include_kernels)
         def apply_liger_fsdp(model: Any, include_kernels: Any = None, **kwargs: Any):
             return engage_v1(model, None)
 
-        _patch.put(registry[v1_args.NAME], "__call__", apply_liger_fsdp, "v1 kernel `liger_fsdp` (function registry)",
-                   f"{plugin.__module__}.KernelPlugin[{v1_args.NAME!r}]")
+        _patch.put(registry[v1_args.NAME], "__call__", apply_liger_fsdp, "v1 kernel `liger_fsdp` (registry of "
+                   "functions, 0.9.5)", f"{plugin.__module__}.KernelPlugin[{v1_args.NAME!r}]")
     else:
         raise _patch.PatchError("v1's KernelPlugin registry has an unknown shape")
 

@@ -1,6 +1,5 @@
-"""``USE_V1=1 llamafactory-cli sft`` on the tiny assets: the yaml, the run (2 gloo ranks), its step losses and weights."""
+"""``USE_V1=1 llamafactory-cli sft`` on the tiny assets: the yaml, the run (2 gloo ranks), its losses and weights."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -15,16 +14,12 @@ SHIM = ROOT / "tests" / "cpu_v1_shim"
 def v1_yaml(assets: Path, out: Path, head: str = "mts", plugin: bool = True, **overrides) -> dict:
     """A v1 SFT yaml (3 steps, fp32, normal batching). ``head``: mts (LoRA + ``modules_to_save: [lm_head]``), lora
     (LoRA on the head too), full (no peft_config). An override of None removes the key."""
-    from llamafactory.v1.config.model_args import ModelArguments
-
     data = out.parent / (out.name + "_data.yaml")
     data.write_text(json.dumps({"tiny": {"path": str(assets / "data" / "tiny_alpaca.json"), "source": "local",
                                          "converter": "alpaca"}}))
     cfg = dict(model=str(assets / "model"), train_dataset=str(data), output_dir=str(out), micro_batch_size=2,
                cutoff_len=64, max_steps=3, bf16=False, batching_workers=0, enable_activation_checkpointing=False,
                logging_steps=1, learning_rate=1.0e-3, dist_config={"name": "fsdp2"})
-    if "template" in {f.name for f in dataclasses.fields(ModelArguments)}:  # 0.9.5 (git main reads the tokenizer's)
-        cfg["template"] = "chatml"
     lora = {"name": "lora", "r": 4, "lora_alpha": 8, "target_modules": "all"}
     if head == "mts":
         cfg["peft_config"] = dict(lora, modules_to_save=["lm_head"])

@@ -1,0 +1,80 @@
+"""``doctor`` for a yaml of LLaMA-Factory's v1 engine (``USE_V1=1``; ``model:`` instead of ``model_name_or_path:``):
+the same rules as the v1 launcher and ranks (:mod:`.v1_args`), the kernel registry of the installed v1, and the head
+kind the yaml trains. No weights are read."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from typing import Any
+
+from . import v1_args
+from .args import truthy
+from .config import LigerFsdpConfigError
+
+
+def is_v1(raw: Any) -> bool:
+    """A v1 yaml: ``USE_V1`` set, or v1's ``model:`` key without the default engine's ``model_name_or_path:``."""
+    return truthy(os.environ.get("USE_V1", "")) or (isinstance(raw, dict) and "model" in raw
+                                                     and "model_name_or_path" not in raw)
+
+
+def registry_line() -> str:
+    """Which v1 kernel API is installed and whether ``liger_fsdp`` is registered in it (the hook did it on import)."""
+    try:
+        from llamafactory.v1.plugins.model_plugins.kernels import interface
+    except Exception as exc:  # no v1 in this LLaMA-Factory
+        return f"v1 engine: not importable here ({type(exc).__name__}: {str(exc)[:120]})"
+    api = "BaseKernel classes (git main)" if hasattr(interface, "apply_kernels") else "functions (0.9.5)"
+    registry = getattr(interface.KernelPlugin, "_registry", {})
+    found = v1_args.NAME in registry and bool(registry[v1_args.NAME])
+    return f"v1 engine: kernel registry of {api}; `{v1_args.NAME}` {'registered' if found else 'NOT registered'}."
+
+
+def head_of(raw: dict) -> str:
+    peft = v1_args.plugin_config(raw.get("peft_config"))
+    if not peft:
+        return "head=full (lm_head; full fine-tuning)"
+    targets = peft.get("target_modules", "all")
+    targets = [t.strip() for t in targets.split(",")] if isinstance(targets, str) else list(targets or [])
+    if "lm_head" in (peft.get("modules_to_save") or []):
+        return "head=modules_to_save (lm_head; `peft_config.modules_to_save`)"
+    if "lm_head" in targets:
+        return "head=lora (lm_head; `peft_config.target_modules`)"
+    if peft.get("name") == "freeze" and "lm_head" in str(peft.get("freeze_extra_modules", "")):
+        return "head=full (lm_head; `freeze_extra_modules`)"
+    return "head=frozen (lm_head; v1's loss still reads its logits, so the log-probs come from the fused kernel)"
+
+
+def check_yaml(path: str, overrides: list[str]) -> tuple[bool, list[str]]:
+    """(would train, report lines)."""
+    from . import families
+    from .integration.llamafactory import read_model_config
+
+    raw = v1_args.read_raw([path, *overrides]) or {}
+    lines = [registry_line()]
+    try:
+        v1_args.top_level_keys(raw)
+        cfg = v1_args.config_of(raw.get(v1_args.KEY))
+        if not cfg.enabled:
+            return True, lines + [f"plugin off (`{v1_args.KEY}.name` does not list `{v1_args.NAME}`): the run trains "
+                                  "without it."]
+        v1_args.check(None, raw)
+        decided = v1_args.decide_sharding(raw, os.environ)
+        lines.append(f"liger_fsdp: on (backend {cfg.backend}); v1 trainers' log-probs from the fused kernel; "
+                     f"first-step exactness guard {'on' if cfg.guard else 'off'}.")
+        lines.append(f"sharding: {decided.label} (from {decided.source}).")
+        try:
+            model_config = read_model_config(SimpleNamespace(model_name_or_path=raw.get("model"),
+                                                             trust_remote_code=bool(raw.get("trust_remote_code"))))
+        except Exception as exc:
+            lines.append(f"could not read the model's config here ({type(exc).__name__}); its family is checked when "
+                         "the model is built.")
+        else:
+            family = families.family_of(getattr(model_config, "model_type", None), model_config)
+            quirks = families.describe(family, model_config)
+            lines.append(f"model type {family.model_type}" + (f" (quirks: {', '.join(quirks)})." if quirks else "."))
+    except LigerFsdpConfigError as exc:
+        return False, lines + [f"error: {exc}"]
+    lines.append(f"will engage: {head_of(raw)} (decided from the yaml).")
+    return True, lines
