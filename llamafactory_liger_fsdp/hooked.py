@@ -16,3 +16,4 @@ MODULES = frozenset((PARSER, LOADER, LAUNCHER, V1_LAUNCHER, V1_PARSER, V1_KERNEL
 # Patched later, by a run of their stage only (imported then, not hooked at import).
 DPO = "llamafactory.train.dpo.trainer"
 KTO = "llamafactory.train.kto.trainer"
+V1_DPO = "llamafactory.v1.trainers.dpo_trainer"  # imported by `llamafactory-cli dpo` before the model is built

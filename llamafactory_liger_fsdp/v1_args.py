@@ -121,11 +121,6 @@ def check(command: str | None, values: Mapping) -> None:
             f"`{KEY}.name: {NAME}` computes log-probs over the vocabulary through lm_head; v1's reward-model trainer "
             f"(`rm`, model_class cls) replaces lm_head by a one-logit score head, so there is nothing to fuse. Fix: "
             f"{FIX_REMOVE} for reward modelling.")
-    if command == "dpo":
-        raise LigerFsdpConfigError(
-            f"`{KEY}.name: {NAME}` with v1's DPO trainer: its loss reads the policy's and the reference's logits "
-            f"directly, which the plugin does not yet replace. Fix: {FIX_REMOVE} for v1 DPO, or train DPO on the "
-            f"default engine (unset USE_V1; `stage: dpo` with `liger_fsdp: true`).")
     size = cp_size(values)
     if size > 1:
         raise LigerFsdpConfigError(

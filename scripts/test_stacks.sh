@@ -29,7 +29,8 @@ E2E=(tests/test_e2e_cli.py::test_fsdp2_two_ranks
      tests/test_e2e_deepspeed.py::test_zero3_engages_and_equals_plain
      tests/test_e2e_preference.py::test_dpo_fsdp2
      tests/test_e2e_versions.py
-     "tests/test_v1_dist.py::test_fsdp2_equals_v1s_own[lora]")
+     "tests/test_v1_dist.py::test_fsdp2_equals_v1s_own[lora]"
+     tests/test_v1_dist.py::test_dpo_equals_v1s_own)
 export PIP_CONSTRAINT=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$CACHE"
 

@@ -190,7 +190,6 @@ def test_kernel_config_keys():
 @pytest.mark.parametrize("command, values, match", [
     ("rm", {}, "reward-model trainer"),
     (None, {"model_class": "cls"}, "reward-model trainer"),
-    ("dpo", {}, "DPO trainer"),
     (None, {"cp_size": 2}, "`cp_size: 2`"),
     (None, {"dist_config": {"name": "fsdp2", "cp_size": 4}}, "`cp_size: 4`"),
     (None, {"dist_config": {"name": "fsdpturbo"}}, "`dist_config.name: fsdpturbo`"),

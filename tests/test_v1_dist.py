@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("llamafactory.v1")
 
 from llamafactory_liger_fsdp.testing import rel  # noqa: E402
-from support.v1 import losses, run_v1, v1_yaml, weights  # noqa: E402
+from support.v1 import losses, run_v1, v1_pairs, v1_yaml, weights  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -21,11 +21,13 @@ UNITS = {  # the engaged line's units per head kind under FSDP2
 }
 
 
-def _pair(assets, tmp_path, head, **overrides):
+def _pair(assets, tmp_path, head, command="sft", **overrides):
     runs = {}
     for plugin in (False, True):
         out = tmp_path / f"{head}_{'plugin' if plugin else 'plain'}"
-        rc, log = run_v1(v1_yaml(assets, out, head, plugin=plugin, **overrides))
+        if command == "dpo":
+            overrides["train_dataset"] = str(v1_pairs(assets, out))
+        rc, log = run_v1(v1_yaml(assets, out, head, plugin=plugin, **overrides), command=command)
         assert rc == 0, log[-6000:]
         runs[plugin] = (log, losses(out), weights(out))
     (_, plain_losses, plain_w), (log, plugin_losses, plugin_w) = runs[False], runs[True]
@@ -64,3 +66,13 @@ def test_zero3_equals_v1s_own(assets, tmp_path):
     log = _pair(assets, tmp_path, "full", dist_config={"name": "deepspeed", "config_file": str(ds)})
     assert "sharding=DeepSpeed ZeRO-3" in log and "through DeepSpeed's gather hooks of 1 module(s) (lm_head)" in log, \
         log[-6000:]
+
+
+def test_dpo_equals_v1s_own(assets, tmp_path):
+    """v1's DPO trainer (git main): sigmoid, LoRA as the reference, FSDP2."""
+    from llamafactory.v1.trainers import dpo_trainer
+
+    if not hasattr(dpo_trainer, "DPOTrainer"):
+        pytest.skip("this LLaMA-Factory's v1 has no DPO trainer")
+    log = _pair(assets, tmp_path, "mts", command="dpo")
+    assert "patched llamafactory.v1.trainers.dpo_trainer.DPOTrainer.compute_loss" in log, log[-6000:]

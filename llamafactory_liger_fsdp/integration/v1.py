@@ -16,6 +16,7 @@ Once a model engaged (recorded on it, undone by :func:`...engage.disengage`):
   ``cross_entropy(reduction="none")``, answered by :func:`...forward.token_logps` (the loss seam's per-row kernel,
   through the head's units). The inputs are the original method's own: it runs with a stand-in model that records
   them (device moves, git main's mRoPE ``position_ids`` pop).
+* v1's ``DPOTrainer`` (a DPO run, git main): :mod:`.v1_dpo`.
 * ``llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2.fully_shard`` (FSDP2 only) -- before a module is
   sharded, its tagged head modules that are not units yet become units: a full/freeze head and a LoRA head's
   ``base_layer`` (v1 already makes every trainable leaf a unit under LoRA, a ``modules_to_save`` head included).
@@ -164,6 +165,9 @@ def engage_v1(model: Any, kernel_config: Any = None):
     if done is None:
         return model
     engage.record(model, patch_compute_log_probs())
+    from . import v1_dpo
+
+    engage.record(model, v1_dpo.patch(cfg))  # a DPO run (its trainer module is loaded) only
     if getattr(cfg.sharding, "kind", None) == "fsdp2":
         engage.record(model, patch_fully_shard())
     return model

@@ -32,6 +32,18 @@ def v1_yaml(assets: Path, out: Path, head: str = "mts", plugin: bool = True, **o
     return {k: v for k, v in cfg.items() if v is not None}
 
 
+def v1_pairs(assets: Path, out: Path) -> Path:
+    """The tiny pairwise rows as v1's ``pair`` converter reads them (chosen/rejected message lists)."""
+    rows = json.loads((assets / "data" / "tiny_pairs.json").read_text())
+    pairs = [{side: [{"role": "user", "content": r["instruction"]}, {"role": "assistant", "content": r[side]}]
+              for side in ("chosen", "rejected")} for r in rows]
+    path = out.parent / (out.name + "_pairs.json")
+    path.write_text(json.dumps(pairs))
+    data = out.parent / (out.name + "_pairs.yaml")
+    data.write_text(json.dumps({"pairs": {"path": str(path), "source": "local", "converter": "pair"}}))
+    return data
+
+
 def run_v1(cfg: dict, nproc: int = 2, command: str = "sft", timeout: int = 600) -> tuple[int, str]:
     """(returncode, log) of ``USE_V1=1 llamafactory-cli <command> cfg.yaml`` on ``nproc`` CPU ranks."""
     import yaml
