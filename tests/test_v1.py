@@ -103,13 +103,18 @@ def test_compute_log_probs_equals_v1s_own(head, name):
         ref_loss.backward()
         cand_loss.backward()
         assert rel(cand_loss, ref_loss) < 1e-5
-        grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
-        assert grads and all(g is not None for g in grads.values())
-        for n, p in cand.named_parameters():
-            if p.requires_grad:
-                assert rel(p.grad, grads[n]) < 1e-5, n
+        assert_same_grads(cand, ref)
     finally:
         engage.disengage(cand)
+
+
+def assert_same_grads(cand, ref, tol=1e-5):
+    """Every trainable parameter of ``ref`` has a gradient, and ``cand``'s equals it within ``tol`` (relative)."""
+    grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None for g in grads.values())
+    for n, p in cand.named_parameters():
+        if p.requires_grad:
+            assert rel(p.grad, grads[n]) < tol, n
 
 
 def sft_loss_unpatched(model, batch):

@@ -15,7 +15,7 @@ if not hasattr(dpo, "DPOTrainer"):  # 0.9.5 ships an empty module (its launcher 
 
 from llamafactory_liger_fsdp import engage, forward  # noqa: E402
 from llamafactory_liger_fsdp.testing import VOCAB, make_model, make_peft, rel  # noqa: E402
-from test_v1 import apply_kernel, fresh_run  # noqa: E402,F401
+from test_v1 import apply_kernel, assert_same_grads, fresh_run  # noqa: E402,F401
 
 
 def pair_batch(seed: int = 0) -> dict:
@@ -67,10 +67,6 @@ def test_dpo_equals_v1s_own(head, pref_loss, kw):
         assert forward.state_of(engage.causal_lm_of(cand)).steps == 1  # the fused forward answered (line said once)
         for key, value in trainers[0]._step_metrics.items():
             assert abs(trainers[1]._step_metrics[key] - value) <= 1e-5 * max(1.0, abs(value)), key
-        grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
-        assert grads and all(g is not None for g in grads.values())
-        for n, p in cand.named_parameters():
-            if p.requires_grad:
-                assert rel(p.grad, grads[n]) < 1e-5, n
+        assert_same_grads(cand, ref)
     finally:
         engage.disengage(cand)
