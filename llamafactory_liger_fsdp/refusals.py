@@ -141,11 +141,10 @@ def check(get: Callable[[str, Any], Any], sharding: Any = None, cfg: Any = None,
     if cfg is not None:
         old = versions.too_old()
         if old:
-            upgrade = " ".join(f"'{o.split()[0]}>={versions.MINIMUM[o.split()[0]]}'" for o in old)
             raise LigerFsdpConfigError(
                 f"`liger_fsdp: true` needs newer releases than installed: {', '.join(old)}; the patch points, the loss "
                 f"function and the sharding types it works with are those of these releases on. Fix: "
-                f"pip install {upgrade}, or remove `liger_fsdp`."
+                f"{versions.upgrade_command()}, or remove `liger_fsdp`."
             )
     problem = machine_problem(cfg) if cfg is not None and machine and not _ELSEWHERE[0] else None
     if problem:

@@ -101,15 +101,26 @@ def _found(found: dict[str, str | None] | None, name: str) -> str | None:
     return found.get(name) if found is not None else installed(name)
 
 
-def too_old(found: dict[str, str | None] | None = None) -> list[str]:
-    """``"torch 2.9.1 (needs >= 2.11)"`` for every installed distribution older than :data:`MINIMUM`."""
+def _older(found: dict[str, str | None] | None) -> list[tuple[str, str, str]]:
+    """(name, installed, minimum) of every installed distribution older than :data:`MINIMUM`."""
     out = []
     for name, low in MINIMUM.items():
         version = _found(found, name)
         parsed = _parse(version) if version else None
         if parsed is not None and parsed.release[:len(Version(low).release)] < Version(low).release:
-            out.append(f"{name} {version} (needs >= {low})")
+            out.append((name, version, low))
     return out
+
+
+def too_old(found: dict[str, str | None] | None = None) -> list[str]:
+    """``"torch 2.9.1 (needs >= 2.11)"`` for every installed distribution older than :data:`MINIMUM`."""
+    return [f"{name} {version} (needs >= {low})" for name, version, low in _older(found)]
+
+
+def upgrade_command(found: dict[str, str | None] | None = None) -> str | None:
+    """``pip install 'torch>=2.11' ...`` for what :func:`too_old` names (None when nothing is too old)."""
+    old = _older(found)
+    return "pip install " + " ".join(f"'{name}>={low}'" for name, _, low in old) if old else None
 
 
 def broken(backend: str = "auto", found: dict[str, str | None] | None = None) -> list[Broken]:

@@ -226,6 +226,8 @@ def test_version_policy_older_refused_newer_named_broken_refused(base, monkeypat
     assert versions.too_old(stack) == [] and versions.untested(stack) == []
     assert versions.too_old({"torch": "2.9.1", "transformers": "4.57.1"}) == [
         "torch 2.9.1 (needs >= 2.11)", "transformers 4.57.1 (needs >= 5.6)"]
+    assert versions.upgrade_command({"torch": "2.9.1", "transformers": "4.57.1"}) == \
+        "pip install 'torch>=2.11' 'transformers>=5.6'" and versions.upgrade_command(stack) is None
     assert versions.untested({"torch": "2.16.0", "triton": "3.9.1", "llamafactory": "0.9.6",
                               "transformers": "5.17.9"}) == [
         "torch 2.16.0 (tested up to 2.15)", "llamafactory 0.9.6 (tested up to 0.9.6.dev0)"]

@@ -43,6 +43,9 @@ def config_from_args(raw: Any) -> tuple[Any, config.LigerFsdpConfig]:
     return rest, config.from_mapping(ours)
 
 
+_PARSED = {"enabled": False}  # whether the arguments get_train_args is parsing turn the plugin on (set by _parse_args)
+
+
 def patch_parser(parser_module: Any) -> None:
     _patch.require_params(parser_module._parse_args, ("parser", "args", "allow_extra_keys"), "_parse_args")
     read_args = parser_module.read_args
@@ -50,6 +53,7 @@ def patch_parser(parser_module: Any) -> None:
     def make(original):
         def _parse_args(parser, args=None, allow_extra_keys=False):
             rest, cfg = config_from_args(read_args(args))
+            _PARSED["enabled"] = cfg.enabled
             result = original(parser, rest, allow_extra_keys=allow_extra_keys)
             parsed = thirdparty.parsed_args(result)
             if cfg.enabled and "training" in parsed and "finetuning" in parsed:
@@ -76,14 +80,15 @@ def patch_parser(parser_module: Any) -> None:
 
     def make_train(original):
         def get_train_args(args=None):
-            armed = config_from_args(read_args(args))[1].enabled
             last = getattr(parser_module, "get_last_checkpoint", None)
-            if armed and last is not None:  # LLaMA-Factory's auto-resume passes over half-written checkpoints
-                parser_module.get_last_checkpoint = resume.skip_incomplete(last)
+            if last is not None:  # with the plugin on (known once _parse_args ran), auto-resume skips half-written ones
+                skipping = resume.skip_incomplete(last)
+                parser_module.get_last_checkpoint = lambda folder: (skipping if _PARSED["enabled"] else last)(folder)
+            _PARSED["enabled"] = False
             try:
                 result = original(args)
             finally:
-                if armed and last is not None:
+                if last is not None:
                     parser_module.get_last_checkpoint = last
             parsed = thirdparty.parsed_args(result)
             cfg = config.get_config(parsed.get("finetuning"))
