@@ -52,10 +52,12 @@ def build(head: str, name: str = "llama"):
 
 
 def sft_loss(model, batch, step=1):
-    """v1's SFTTrainer.compute_loss on a stand-in trainer (CPU, no mRoPE)."""
+    """v1's SFTTrainer.compute_loss on a stand-in trainer (CPU; git main's mRoPE flag as its trainer sets it)."""
     from llamafactory.v1.core.base_trainer import BaseTrainer
+    from llamafactory.v1.utils import helper
 
-    trainer = SimpleNamespace(device=torch.device("cpu"), _uses_mrope=False, global_step=step)
+    uses_mrope = helper.model_uses_mrope(model.config) if hasattr(helper, "model_uses_mrope") else False
+    trainer = SimpleNamespace(device=torch.device("cpu"), _uses_mrope=uses_mrope, global_step=step)
     logps = BaseTrainer.compute_log_probs(trainer, model, batch)
     w = batch["loss_weights"][..., 1:]
     return logps, (-logps * w).sum() / (w.sum() + 1e-6)
@@ -115,6 +117,29 @@ def assert_same_grads(cand, ref, tol=1e-5):
     for n, p in cand.named_parameters():
         if p.requires_grad:
             assert rel(p.grad, grads[n]) < tol, n
+
+
+def test_vision_language_model_equals_v1s_own():
+    """Qwen2.5-VL with images: pixel values, grid sizes and (on git main) the mRoPE position-id pop pass through the
+    captured inputs; log-probs and gradients as v1's own."""
+    from llamafactory_liger_fsdp.testing import make_inputs
+
+    ref = make_peft(make_model("qwen2_5_vl"), "mts")
+    cand = copy.deepcopy(ref)
+    apply_kernel(cand)
+    try:
+        batch = make_inputs("qwen2_5_vl")
+        batch["loss_weights"] = (batch["labels"] != -100).float()
+        for model in (ref, cand):
+            model.train()
+        ref_lp, ref_loss = sft_loss_unpatched(ref, batch)
+        cand_lp, cand_loss = sft_loss(cand, batch)
+        assert rel(cand_lp, ref_lp) < 1e-5
+        ref_loss.backward()
+        cand_loss.backward()
+        assert_same_grads(cand, ref)
+    finally:
+        engage.disengage(cand)
 
 
 def sft_loss_unpatched(model, batch):
