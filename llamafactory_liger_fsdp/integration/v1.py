@@ -19,7 +19,9 @@ Once a model engaged (recorded on it, undone by :func:`...engage.disengage`):
 * v1's ``DPOTrainer`` (a DPO run, git main): :mod:`.v1_dpo`.
 * ``llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2.fully_shard`` (FSDP2 only) -- before a module is
   sharded, its tagged head modules that are not units yet become units: a full/freeze head and a LoRA head's
-  ``base_layer`` (v1 already makes every trainable leaf a unit under LoRA, a ``modules_to_save`` head included).
+  ``base_layer`` (v1 already makes every trainable leaf a unit under LoRA, a ``modules_to_save`` head included); a
+  module that is a unit already is left as it is (v1 itself shards an untied ``modules_to_save: [embed_tokens]`` copy
+  twice and stops on the second call, with or without the plugin).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .. import _patch, config, thirdparty, v1_args, versions, wrapping
+from .._log import info_rank0
 from ..config import LigerFsdpConfigError
 from .llamafactory import SAID_VERSIONS_ENV, _say_once, read_model_config
 
@@ -232,8 +235,16 @@ def patch_compute_log_probs() -> list:
 def patch_fully_shard() -> list:
     from llamafactory.v1.plugins.trainer_plugins.distributed import fsdp2
 
+    said = []
+
     def make(original):
         def fully_shard(module, *args: Any, **kwargs: Any):
+            if thirdparty.is_fsdp2(module):  # v1 shards a trainable nn.Embedding twice (its LoRA leaf loop, then
+                if not said:                  # its embedding rule): the second call would raise; the unit exists
+                    said.append(True)
+                    info_rank0(f"[liger_fsdp] v1 FSDP2: {type(module).__name__} is already a unit (v1's LoRA leaf loop "
+                               "and its embedding rule both shard an untied trainable embedding); left as it is.")
+                return module
             for sub in list(module.modules())[1:]:
                 if wrapping.is_marked(sub) and not thirdparty.is_fsdp2(sub):
                     own = dict(kwargs)

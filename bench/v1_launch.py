@@ -1,0 +1,71 @@
+"""Launch one LLaMA-Factory v1 training (``sft`` or ``dpo``, as v1's ``run_sft`` / ``run_dpo`` do) with a timing and
+memory callback:
+
+    torchrun --nproc_per_node N bench/v1_launch.py sft|dpo cfg.yaml result.json
+
+Per optimizer step, on rank 0: wall time (device-synchronised), the peak of ``torch.cuda.max_memory_allocated()`` in
+the step (reset at each step's start; 0 on the CPU), the step loss v1 logs (unrounded) and the tokens the step's
+micro-batches hold (``attention_mask`` != 0, counted in ``compute_loss``). v1's final ``save_model`` is skipped
+(benchmark only). The plugin is active the way it is for ``llamafactory-cli``: its ``.pth`` (or the activation
+directory on ``PYTHONPATH``) hooks v1's modules as they load.
+"""
+
+import json
+import sys
+import time
+
+import torch
+import yaml
+
+
+def main() -> None:
+    command, cfg_path, out_path = sys.argv[1:4]
+    from llamafactory.v1.accelerator.interface import DistributedInterface
+    from llamafactory.v1.config import get_args
+    from llamafactory.v1.core.data_engine import DataEngine
+    from llamafactory.v1.core.model_engine import ModelEngine
+    from llamafactory.v1.utils.callbacks import TrainerCallback
+
+    if command == "dpo":
+        from llamafactory.v1.trainers.dpo_trainer import DPOTrainer as Trainer
+    else:
+        from llamafactory.v1.trainers.sft_trainer import SFTTrainer as Trainer
+
+    steps, tokens = [], [0]
+
+    class Timed(Trainer):
+        def compute_loss(self, batch):
+            tokens[0] += int((batch["attention_mask"] != 0).sum())
+            return super().compute_loss(batch)
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            tokens[0] = 0
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
+            steps.append({"s": time.perf_counter() - self.t0, "peak_mib": peak, "loss": float(state.loss),
+                          "tokens": tokens[0]})
+
+    with open(cfg_path, encoding="utf-8") as f:
+        model_args, data_args, training_args, _ = get_args(yaml.safe_load(f))
+    DistributedInterface(training_args)
+    dataset = DataEngine(data_args.train_dataset)
+    engine = ModelEngine(model_args, is_train=True)
+    trainer = Timed(args=training_args, model=engine.model, renderer=engine.renderer, train_dataset=dataset,
+                    callbacks=[Timer()])
+    trainer.fit()
+    if DistributedInterface().get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump({"steps": steps}, f)
+    DistributedInterface().destroy()
+
+
+if __name__ == "__main__":
+    main()
