@@ -12,6 +12,9 @@
 #                                   # $OUT/h200_speed.json, which starts as a copy of bench/results/h200_speed.json when
 #                                   # there is one (copy the returned file back there between calls); the whole command
 #                                   # stays under SPEED_LIMIT s (default 570): no run starts past the deadline
+#   V1_ARGS="--runs 2" bash bench/run_h200.sh v1
+#                                   # bench/v1_h200.py: LLaMA-Factory's v1 engine (v1_launch.py), plain vs the plugin's
+#                                   # kernel, 2-layer Llama-3-8B shape, 16k tokens, FSDP2; rows to $OUT/h200_v1.json
 #   DEPTH_ARGS="--plan sweep,repeat" bash bench/run_h200.sh depth
 #                                   # bench/depth_h200.py: the 32-layer Llama-3-8B runs (longest cutoff per variant),
 #                                   # appended to $OUT/h200_depth.json (starts as a copy of bench/results/h200_depth.json;
@@ -65,6 +68,20 @@ case "${1:-kernel}" in
     for f in /tmp/real_size/fsdp2_*_r[0-9]*.log /tmp/real_size/zero3_*_r[0-9]*.log; do  # runs with no result JSON
       [ -e "$f" ] && [ ! -s "${f%.log}.json" ] && { echo "=== $f"; tail -c 4000 "$f"; }
     done > "$OUT/depth_fail.log" 2>/dev/null
+    exit 0
+    ;;
+  v1)
+    # bench/v1_h200.py: LLaMA-Factory's v1 engine, v1's own SFT against the plugin's kernel (issue 29's figure), rows
+    # appended to $OUT/h200_v1.json (starts as a copy of bench/results/h200_v1.json); under V1_LIMIT s (default 570)
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/llamafactory_liger_fsdp-*.whl || exit 1
+    install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
+    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+    limit=${V1_LIMIT:-570}
+    prev=bench/results/h200_v1.json
+    if [ -f "$prev" ] && [ ! -e "$OUT/h200_v1.json" ]; then cp "$prev" "$OUT/h200_v1.json"; fi
+    timeout $((limit - SECONDS)) python3 bench/v1_h200.py --out "$OUT/h200_v1.json" --work /tmp/v1_bench \
+      --deadline $((limit - 15 - SECONDS)) ${V1_ARGS:-} 2>&1 | tee "$OUT/v1.log"
+    for f in /tmp/v1_bench/*_r[0-9]*.log; do [ -e "$f" ] && tail -c 4000 "$f" > "$OUT/v1_run_$(basename "$f")"; done
     exit 0
     ;;
   sft|multi|reach|speed)

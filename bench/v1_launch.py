@@ -10,6 +10,7 @@ micro-batches hold (``attention_mask`` != 0, counted in ``compute_loss``). v1's 
 directory on ``PYTHONPATH``) hooks v1's modules as they load.
 """
 
+import inspect
 import json
 import sys
 import time
@@ -55,7 +56,9 @@ def main() -> None:
 
     with open(cfg_path, encoding="utf-8") as f:
         model_args, data_args, training_args, _ = get_args(yaml.safe_load(f))
-    DistributedInterface(training_args)
+    # 0.9.5 builds it from the dist_config, git main from the training arguments (as their run_sft do)
+    takes_args = "training_args" in inspect.signature(DistributedInterface.__init__).parameters
+    DistributedInterface(training_args if takes_args else training_args.dist_config)
     dataset = DataEngine(data_args.train_dataset)
     engine = ModelEngine(model_args, is_train=True)
     trainer = Timed(args=training_args, model=engine.model, renderer=engine.renderer, train_dataset=dataset,

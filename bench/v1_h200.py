@@ -1,0 +1,141 @@
+"""LLaMA-Factory's v1 engine (``USE_V1=1``) on one H200: v1's own training against the plugin (kernel ``liger_fsdp``),
+tokens/s and peak memory, one JSON row per run appended to ``--out`` (keys as bench/results/h200_speed.json's).
+
+Model: the 2-layer Llama-3-8B shape of bench/common.py's MODELS (real 128k head, random weights, bf16 on disk), the
+seed's adapter (LoRA r16 on every linear layer + ``modules_to_save: [lm_head, embed_tokens]``; v1 alone stops on that
+under FSDP2 -- it shards the embedding copy twice -- so ``plain`` also runs ``modules_to_save: [lm_head]``, which v1
+trains: variant ``plain-head``), v1's FSDP2 at world size 1, v1's defaults otherwise (bf16, activation
+checkpointing, normal batching): one sample of ``--cutoff`` tokens a step (answers long enough to fill it). Each run is
+``torchrun bench/v1_launch.py``; tokens/s = the step's tokens / its time, median over the steps after the first.
+
+    python bench/v1_h200.py [--variants plain,plain-head,plugin,plugin-head] [--runs 2] [--steps 5] [--cutoff 16384]
+                            [--out bench/results/h200_v1.json] [--deadline 540] [--smoke]
+
+Run r plays the variants in order on even r and reversed on odd r. --deadline S: no run starts that would end (by the
+longest run so far) more than S s after the start. --smoke: CPU plumbing check (the tiny local model, fp32, cutoff 128,
+gloo, the test-only shim for v1's step-end synchronize on a CUDA build of torch; a temp JSON unless --out is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from common import MAKE_ASSETS, MODELS, ROOT, append_row, build, card, error_line, log_line, now, versions
+
+HEAD_ONLY = ["lm_head"]
+SEED = ["lm_head", "embed_tokens"]
+VARIANTS = {  # name -> (kernel_config or None, modules_to_save)
+    "plain": (None, SEED), "plain-head": (None, HEAD_ONLY),
+    "plugin": ({"name": "liger_fsdp"}, SEED), "plugin-head": ({"name": "liger_fsdp"}, HEAD_ONLY),
+}
+
+
+def assets(work: str, smoke: bool, cutoff: int) -> tuple[str, str]:
+    """(model dir, v1 dataset yaml): the real-head model with long answers, or the tiny CPU assets."""
+    if smoke:
+        mdir = os.path.join(work, "tiny")
+        if not os.path.exists(os.path.join(mdir, "model", "config.json")):
+            subprocess.run([sys.executable, MAKE_ASSETS, mdir], check=True, capture_output=True)
+    else:  # ~1.45 tokens a word with the tiny tokenizer: answers of cutoff / 1.3 words fill a sample
+        words = int(cutoff / 1.3)
+        mdir = build(work, f"llama3-8b-2l-{cutoff}", MODELS["llama3-8b"], 2, rows=24, answer_words=(words, words + 500),
+                     max_position=max(32768, 2 * cutoff))
+    data = os.path.join(work, "v1_data.yaml")
+    with open(data, "w") as f:
+        json.dump({"tiny": {"path": os.path.join(mdir, "data", "tiny_alpaca.json"), "source": "local",
+                            "converter": "alpaca"}}, f)
+    return os.path.join(mdir, "model"), data
+
+
+def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
+    kernel, mts = VARIANTS[variant]
+    out = os.path.join(work, tag)
+    cfg = dict(model=model, train_dataset=data, output_dir=out, micro_batch_size=1, cutoff_len=args.cutoff,
+               max_steps=args.steps, learning_rate=1e-4, logging_steps=1, batching_workers=0,
+               dist_config={"name": "fsdp2"}, peft_config={"name": "lora", "r": 16, "lora_alpha": 32,
+                                                           "target_modules": "all", "modules_to_save": mts})
+    if kernel:
+        cfg["kernel_config"] = kernel
+    if args.smoke:
+        cfg.update(bf16=False, enable_activation_checkpointing=False)
+    path, result = out + ".yaml", out + ".json"
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    if os.path.exists(result):
+        os.remove(result)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if args.smoke:
+        env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(
+            [os.path.join(ROOT, "tests", "cpu_v1_shim"), env.get("PYTHONPATH", "")]))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    t0 = time.time()
+    proc = subprocess.run(["torchrun", "--nproc_per_node", "1", "--master_port", port,
+                           os.path.join(ROOT, "bench", "v1_launch.py"), "sft", path, result],
+                          capture_output=True, text=True, env=env, timeout=args.timeout)
+    log = proc.stdout + proc.stderr
+    with open(out + ".log", "w") as f:
+        f.write(log)
+    row = {"model": os.path.basename(os.path.dirname(model)), "variant": variant, "scenario": "v1_fsdp2_sft",
+           "engine": "v1", "modules_to_save": mts, "cutoff_len": args.cutoff, "steps": args.steps,
+           "rc": proc.returncode, "wall_s": round(time.time() - t0, 1), "engaged": log_line(log, "[liger_fsdp] engaged"),
+           "guard": log_line(log, "[liger_fsdp] guard"), "log": out + ".log"}
+    if proc.returncode != 0 or not os.path.exists(result):
+        row.update(fits=False, error=error_line(log) or log[-400:])
+        return row
+    steps = json.load(open(result))["steps"]
+    rates = [s["tokens"] / s["s"] for s in steps[1:] or steps]
+    row.update(fits=True, tokens_per_s=statistics.median(rates), tokens_per_step=steps[-1]["tokens"],
+               step_s=statistics.median(s["s"] for s in steps[1:] or steps), step_times=[s["s"] for s in steps],
+               peak_gib=max(s["peak_mib"] for s in steps) / 1024, step_losses=[s["loss"] for s in steps])
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="plain,plain-head,plugin,plugin-head")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--cutoff", type=int, default=16384)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "v1_bench"))
+    ap.add_argument("--deadline", type=float, default=540.0)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        args.cutoff, args.steps = min(args.cutoff, 128), min(args.steps, 2)
+    out = args.out or (os.path.join(args.work, "smoke.json") if args.smoke else
+                       os.path.join(ROOT, "bench", "results", "h200_v1.json"))
+    os.makedirs(args.work, exist_ok=True)
+    model, data = assets(args.work, args.smoke, args.cutoff)
+    start, longest = time.time(), 0.0
+    variants = args.variants.split(",")
+    meta = {"date": now(), "card": card(), "versions": versions(), "smoke": args.smoke}
+    print(f"{'run':>3} {'variant':12} {'fits':>5} {'tokens/s':>10} {'peak GiB':>9}  step-1 loss")
+    for r in range(args.runs):
+        for variant in (variants if r % 2 == 0 else variants[::-1]):
+            if time.time() - start + longest > args.deadline:
+                print(f"deadline: {variant} run {r} not started")
+                continue
+            t0 = time.time()
+            row = dict(run(variant, model, data, args.work, args, f"{variant}_r{r}"), run=r, **meta)
+            longest = max(longest, time.time() - t0)
+            append_row(out, row)
+            loss = row.get("step_losses", [None])[0]
+            print(f"{r:>3} {variant:12} {str(row['fits']):>5} {row.get('tokens_per_s', 0):>10.0f} "
+                  f"{row.get('peak_gib', 0):>9.2f}  {loss if loss is not None else row.get('error', '')}")
+    print(f"rows appended to {out}")
+
+
+if __name__ == "__main__":
+    main()
