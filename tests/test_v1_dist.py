@@ -96,3 +96,16 @@ def test_fsdp2_trains_the_seeds_adapter(assets, tmp_path):
     assert all(rel(a, b) < 1e-5 for a, b in zip(runs["plugin_fsdp2"][1], runs["plain_ddp"][1]))
     for name, tensor in runs["plain_ddp"][2].items():
         assert rel(runs["plugin_fsdp2"][2][name], tensor) < 1e-4, name
+
+
+def test_freeze_with_trained_head_equals_v1s_own(assets, tmp_path):
+    """v1's freeze tuning (git main) with ``freeze_extra_modules: lm_head``: the head is trained in fp32 and, under
+    v1's FSDP2, a unit of its own through the plugin (v1 leaves it in the root unit)."""
+    from llamafactory.v1.plugins.model_plugins import peft as v1_peft
+
+    if "freeze" not in getattr(v1_peft.PeftPlugin, "_registry", {}):
+        pytest.skip("this LLaMA-Factory's v1 has no freeze tuning")
+    freeze = {"name": "freeze", "freeze_trainable_layers": 1, "freeze_trainable_modules": "all",
+              "freeze_extra_modules": "lm_head"}
+    log = _pair(assets, tmp_path, "full", peft_config=freeze)
+    assert UNITS["full"] in log and "head=full" in log, log[-6000:]
