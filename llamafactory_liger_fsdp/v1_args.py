@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping
 
-from . import config, sharding
+from . import config, sharding, versions
 from .config import LigerFsdpConfigError
 
 NAME = "liger_fsdp"
@@ -115,7 +115,13 @@ def decide_sharding(values: Mapping, env: Mapping[str, str]) -> sharding.Shardin
 
 
 def check(command: str | None, values: Mapping) -> None:
-    """What the plugin refuses on v1, from the arguments alone (the launching process and every rank)."""
+    """What the plugin refuses on v1, from the arguments and the installed versions (the launching process and every
+    rank)."""
+    old = versions.too_old()
+    if old:
+        raise LigerFsdpConfigError(
+            f"`{KEY}.name: {NAME}` needs newer releases than installed: {', '.join(old)}. Fix: "
+            f"{versions.upgrade_command()}, {FIX_REMOVE}.")
     if command == "rm" or values.get("model_class") == "cls":
         raise LigerFsdpConfigError(
             f"`{KEY}.name: {NAME}` computes log-probs over the vocabulary through lm_head; v1's reward-model trainer "

@@ -230,6 +230,14 @@ def test_refusals(command, values, match):
     assert "Fix:" in str(err.value)
 
 
+def test_versions_too_old_refused(monkeypatch):
+    from llamafactory_liger_fsdp import versions
+
+    monkeypatch.setattr(versions, "installed", lambda name: {"torch": "2.10.0"}.get(name))
+    with pytest.raises(LigerFsdpConfigError, match=r"torch 2.10.0 \(needs >= 2.11\).*Fix: pip install 'torch>=2.11'"):
+        v1_args.check("sft", {"kernel_config": {"name": "liger_fsdp"}})
+
+
 def test_sharding_from_dist_config(tmp_path):
     import json
 

@@ -34,10 +34,10 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
-from .. import _patch, config, thirdparty, v1_args, versions, wrapping
+from .. import _patch, config, refusals, sharding, thirdparty, v1_args, versions, wrapping
 from .._log import info_rank0
 from ..config import LigerFsdpConfigError
-from .llamafactory import SAID_VERSIONS_ENV, _say_once, read_model_config
+from .llamafactory import SAID_ENV, SAID_VERSIONS_ENV, _say_once, read_model_config
 
 COMMANDS = ("train", "sft", "dpo", "rm")
 _RUN: dict[str, Any] = {"config": None}  # this process's config, from get_args
@@ -54,6 +54,9 @@ def precheck(command: str, argv: list[str]) -> None:
     if not cfg.enabled:
         return
     v1_args.check(command, raw)
+    problem = refusals.machine_problem(cfg)
+    if problem:
+        raise LigerFsdpConfigError(problem)
     from .. import families
 
     try:
@@ -95,6 +98,9 @@ def patch_v1_parser(parser_module: Any) -> None:
             if cfg.enabled:
                 values = v1_args.values_of(model_args, training_args)
                 v1_args.check(None, values)
+                problem = refusals.machine_problem(cfg)
+                if problem:
+                    raise LigerFsdpConfigError(problem)
                 cfg = dataclasses.replace(cfg, sharding=v1_args.decide_sharding(values, os.environ))
                 _patch.log_once()
                 _say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
@@ -156,7 +162,7 @@ def engage_v1(model: Any, kernel_config: Any = None):
 
     cfg = run_config(kernel_config)
     if not cfg.enabled:
-        _say_once("LLAMAFACTORY_LIGER_FSDP_SAID_DISABLED", f"[liger_fsdp] {config.DISABLE_ENV}=1: kernel "
+        _say_once(SAID_ENV, f"[liger_fsdp] {config.DISABLE_ENV}=1: kernel "
                   f"`{v1_args.NAME}` does nothing; this run trains as without the plugin.")
         return model
     causal_lm = engage.causal_lm_of(model)
@@ -171,7 +177,7 @@ def engage_v1(model: Any, kernel_config: Any = None):
     from . import v1_dpo
 
     engage.record(model, v1_dpo.patch(cfg))  # a DPO run (its trainer module is loaded) only
-    if getattr(cfg.sharding, "kind", None) == "fsdp2":
+    if getattr(cfg.sharding, "kind", None) == sharding.FSDP2:
         engage.record(model, patch_fully_shard())
     return model
 
