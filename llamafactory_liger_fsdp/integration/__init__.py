@@ -14,7 +14,8 @@ LLaMA-Factory, always (:mod:`.llamafactory`, patched by the import hook right af
   yaml alone decides before any rank starts (one error, printed once, last).
 
 LLaMA-Factory's v1 engine (``USE_V1=1``; :mod:`.v1`): its launcher (the same check), its ``get_args`` and its kernel
-registry (entry ``liger_fsdp``); once engaged, ``BaseTrainer.compute_log_probs`` and, under FSDP2, its ``fully_shard``.
+registry (entry ``liger_fsdp``); once engaged (:mod:`.v1_train`), ``BaseTrainer.compute_log_probs`` and, under FSDP2,
+its ``fully_shard``; in a DPO run v1's ``DPOTrainer`` (:mod:`.v1_dpo`).
 
 The other groups are patched by :func:`.llamafactory.engage_model` only when this run needs it, recorded on the
 engaged model and undone by :func:`..engage.disengage`:

@@ -10,18 +10,8 @@ Always (hooked modules, :mod:`...hooked`):
   function (0.9.5) or a ``BaseKernel`` class (git main). v1 applies kernels after PEFT, before sharding; the entry
   engages the model (:func:`engage_v1`).
 
-Once a model engaged (recorded on it, undone by :func:`...engage.disengage`):
-
-* ``llamafactory.v1.core.base_trainer.BaseTrainer.compute_log_probs`` -- every v1 trainer's ``logits.float()`` +
-  ``cross_entropy(reduction="none")``, answered by :func:`...forward.token_logps` (the loss seam's per-row kernel,
-  through the head's units). The inputs are the original method's own: it runs with a stand-in model that records
-  them (device moves, git main's mRoPE ``position_ids`` pop).
-* v1's ``DPOTrainer`` (a DPO run, git main): :mod:`.v1_dpo`.
-* ``llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2.fully_shard`` (FSDP2 only) -- before a module is
-  sharded, its tagged head modules that are not units yet become units: a full/freeze head and a LoRA head's
-  ``base_layer`` (v1 already makes every trainable leaf a unit under LoRA, a ``modules_to_save`` head included); a
-  module that is a unit already is left as it is (v1 itself shards an untied ``modules_to_save: [embed_tokens]`` copy
-  twice and stops on the second call, with or without the plugin).
+Once a model engaged: :mod:`.v1_train` (``BaseTrainer.compute_log_probs``, v1's FSDP2 ``fully_shard``) and, in a DPO
+run, :mod:`.v1_dpo`.
 """
 
 from __future__ import annotations
@@ -34,8 +24,7 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
-from .. import _patch, config, refusals, sharding, thirdparty, v1_args, versions, wrapping
-from .._log import info_rank0
+from .. import _patch, config, refusals, sharding, v1_args, versions
 from ..config import LigerFsdpConfigError
 from .llamafactory import SAID_ENV, SAID_VERSIONS_ENV, _say_once, read_model_config
 
@@ -173,94 +162,10 @@ def engage_v1(model: Any, kernel_config: Any = None):
     done = engage.engage(model, cfg, any_head=True, request_only=True)
     if done is None:
         return model
-    engage.record(model, patch_compute_log_probs())
-    from . import v1_dpo
+    from . import v1_dpo, v1_train
 
+    engage.record(model, v1_train.patch_compute_log_probs())
     engage.record(model, v1_dpo.patch(cfg))  # a DPO run (its trainer module is loaded) only
     if getattr(cfg.sharding, "kind", None) == sharding.FSDP2:
-        engage.record(model, patch_fully_shard())
+        engage.record(model, v1_train.patch_fully_shard())
     return model
-
-
-# --------------------------------------------------------------------------- once engaged
-class _Captured(Exception):
-    pass
-
-
-class _Recorder:
-    """A stand-in model: records the keyword arguments the original ``compute_log_probs`` calls it with."""
-
-    kwargs: dict | None = None
-
-    def __call__(self, *args: Any, **kwargs: Any):
-        self.kwargs = dict(kwargs) if not args else None
-        raise _Captured
-
-
-def unwrapped(model: Any) -> Any:
-    """The model inside DDP or a DeepSpeed engine (FSDP2 keeps the model object)."""
-    while thirdparty.is_module_wrapper(model):
-        model = model.module
-    return model
-
-
-def patch_compute_log_probs() -> list:
-    from llamafactory.v1.core import base_trainer
-
-    from .. import engage, forward
-
-    cls = base_trainer.BaseTrainer
-    _patch.require_params(cls.compute_log_probs, ("self", "model", "batch"), "BaseTrainer.compute_log_probs")
-
-    def make(original):
-        def compute_log_probs(self, model, batch):
-            inner = unwrapped(model)
-            if engage.engaged(inner) is None:
-                return original(self, model, batch)
-            recorder = _Recorder()
-            try:
-                original(self, recorder, batch)
-            except _Captured:
-                pass
-            if not recorder.kwargs or "labels" not in recorder.kwargs:
-                raise _patch.PatchError("v1's compute_log_probs no longer calls model(**inputs) with labels; "
-                                        f"{v1_args.FIX_REMOVE} and report your LLaMA-Factory version")
-            inputs = recorder.kwargs
-            labels = inputs.pop("labels")
-            logps, _, _ = forward.token_logps(model, engage.causal_lm_of(inner), inputs, labels, sums=False,
-                                              step=getattr(self, "global_step", None))
-            return logps
-
-        return compute_log_probs
-
-    patch = _patch.apply(cls, "compute_log_probs", make, "v1: per-token log-probs from the fused kernel, no [N, V] "
-                                                         "logits")
-    return [] if patch is None else [lambda: _patch.undo(cls, "compute_log_probs")]
-
-
-def patch_fully_shard() -> list:
-    from llamafactory.v1.plugins.trainer_plugins.distributed import fsdp2
-
-    said = []
-
-    def make(original):
-        def fully_shard(module, *args: Any, **kwargs: Any):
-            if thirdparty.is_fsdp2(module):  # v1 shards a trainable nn.Embedding twice (its LoRA leaf loop, then
-                if not said:                  # its embedding rule): the second call would raise; the unit exists
-                    said.append(True)
-                    info_rank0(f"[liger_fsdp] v1 FSDP2: {type(module).__name__} is already a unit (v1's LoRA leaf loop "
-                               "and its embedding rule both shard an untied trainable embedding); left as it is.")
-                return module
-            for sub in list(module.modules())[1:]:
-                if wrapping.is_marked(sub) and not thirdparty.is_fsdp2(sub):
-                    own = dict(kwargs)
-                    if own.get("ignored_params"):
-                        mine = set(sub.parameters())
-                        own["ignored_params"] = {p for p in own["ignored_params"] if p in mine}
-                    original(sub, *args, **own)
-            return original(module, *args, **kwargs)
-
-        return fully_shard
-
-    patch = _patch.apply(fsdp2, "fully_shard", make, "v1 FSDP2: the head modules become units of their own")
-    return [] if patch is None else [lambda: _patch.undo(fsdp2, "fully_shard")]

@@ -27,7 +27,7 @@ IGNORE_INDEX = -100
 
 
 def _causal_lm(model: Any):
-    from .v1 import unwrapped
+    from .v1_train import unwrapped
 
     return engage.causal_lm_of(unwrapped(model))
 
