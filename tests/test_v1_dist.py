@@ -51,19 +51,23 @@ def test_ddp_equals_v1s_own(assets, tmp_path):
     assert "sharding=DDP" in log and "on the whole (unpartitioned) head weight" in log, log[-6000:]
 
 
-def test_zero3_equals_v1s_own(assets, tmp_path):
-    """v1's DeepSpeed engine, ZeRO-3, full fine-tuning: the head weight is gathered by DeepSpeed's own hooks."""
-    pytest.importorskip("deepspeed")
+def _zero3(tmp_path, bf16):
     import json
 
-    ds = tmp_path / "zero3.json"
+    ds = tmp_path / f"zero3_{bf16}.json"
     ds.write_text(json.dumps({
         "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "zero_allow_untested_optimizer": True, "bf16": {"enabled": False},
+        "gradient_clipping": "auto", "zero_allow_untested_optimizer": True, "bf16": {"enabled": bf16},
         "zero_optimization": {"stage": 3, "overlap_comm": False, "contiguous_gradients": True,
                               "stage3_param_persistence_threshold": 0,
                               "stage3_gather_16bit_weights_on_model_save": True}}))
-    log = _pair(assets, tmp_path, "full", dist_config={"name": "deepspeed", "config_file": str(ds)})
+    return {"name": "deepspeed", "config_file": str(ds)}
+
+
+def test_zero3_equals_v1s_own(assets, tmp_path):
+    """v1's DeepSpeed engine, ZeRO-3, full fine-tuning: the head weight is gathered by DeepSpeed's own hooks."""
+    pytest.importorskip("deepspeed")
+    log = _pair(assets, tmp_path, "full", dist_config=_zero3(tmp_path, False))
     assert "sharding=DeepSpeed ZeRO-3" in log and "through DeepSpeed's gather hooks of 1 module(s) (lm_head)" in log, \
         log[-6000:]
 
@@ -109,3 +113,21 @@ def test_freeze_with_trained_head_equals_v1s_own(assets, tmp_path):
               "freeze_extra_modules": "lm_head"}
     log = _pair(assets, tmp_path, "full", peft_config=freeze)
     assert UNITS["full"] in log and "head=full" in log, log[-6000:]
+
+
+def test_zero3_lora_trains_where_v1_stops(assets, tmp_path):
+    """ZeRO-3 + LoRA + ``modules_to_save`` in bf16 (DeepSpeed's ``auto``): v1 alone stops before step 1 (LoRA fp32
+    beside the bf16 head copy: DeepSpeed's mixed-dtype assertion); the plugin casts the trainable parameters to the
+    compute dtype, as on the default engine, and trains -- its losses equal v1's own fp32 DDP run to bf16 rounding."""
+    pytest.importorskip("deepspeed")
+    rc, log = run_v1(v1_yaml(assets, tmp_path / "plain_zero3", plugin=False, dist_config=_zero3(tmp_path, "auto")))
+    assert rc == 0 or "AssertionError" in log, log[-6000:]  # v1's own stop (fine once fixed)
+    out = tmp_path / "plugin_zero3"
+    rc, log = run_v1(v1_yaml(assets, out, dist_config=_zero3(tmp_path, "auto")))
+    assert rc == 0, log[-6000:]
+    assert "trainable parameters in the compute dtype" in log and "sharding=DeepSpeed ZeRO-3" in log
+    assert "[liger_fsdp] guard: step 1 exact" in log, log[-6000:]
+    reference = tmp_path / "plain_ddp"
+    rc, ddp_log = run_v1(v1_yaml(assets, reference, plugin=False, dist_config=None))
+    assert rc == 0, ddp_log[-6000:]
+    assert all(rel(a, b) < 5e-3 for a, b in zip(losses(out), losses(reference))), (losses(out), losses(reference))

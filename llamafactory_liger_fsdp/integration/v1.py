@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .. import _patch, config, refusals, sharding, v1_args, versions
+from .._log import info_rank0
 from ..config import LigerFsdpConfigError
 from .llamafactory import SAID_ENV, SAID_VERSIONS_ENV, _say_once, read_model_config
 
@@ -168,4 +169,13 @@ def engage_v1(model: Any, kernel_config: Any = None):
     engage.record(model, v1_dpo.patch(cfg))  # a DPO run (its trainer module is loaded) only
     if getattr(cfg.sharding, "kind", None) == sharding.FSDP2:
         engage.record(model, v1_train.patch_fully_shard())
+    if getattr(cfg.sharding, "kind", None) == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:
+        from .. import precision
+
+        cast, undo = precision.to_compute_dtype(model)  # v1 loads under zero.init, as LLaMA-Factory's default engine
+        if cast:
+            engage.record(model, [undo])
+            info_rank0(f"[liger_fsdp] DeepSpeed ZeRO-3: trainable parameters in the compute dtype, as DeepSpeed casts "
+                       f"them itself under ZeRO-0/1/2 (its optimizer keeps fp32 masters; ZeRO-3's cannot take mixed "
+                       f"dtypes): {cast}.")
     return model
