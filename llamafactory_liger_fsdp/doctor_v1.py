@@ -5,7 +5,6 @@ kind the yaml trains. No weights are read."""
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 from typing import Any
 
 from . import v1_args
@@ -49,7 +48,7 @@ def head_of(raw: dict) -> str:
 def check_yaml(path: str, overrides: list[str]) -> tuple[bool, list[str]]:
     """(would train, report lines)."""
     from . import families
-    from .integration.llamafactory import read_model_config
+    from .integration.v1 import model_config_of
 
     raw = v1_args.read_raw([path, *overrides]) or {}
     lines = [registry_line()]
@@ -64,12 +63,10 @@ def check_yaml(path: str, overrides: list[str]) -> tuple[bool, list[str]]:
         lines.append(f"liger_fsdp: on (backend {cfg.backend}); v1 trainers' log-probs from the fused kernel; "
                      f"first-step exactness guard {'on' if cfg.guard else 'off'}.")
         lines.append(f"sharding: {decided.label} (from {decided.source}).")
-        try:
-            model_config = read_model_config(SimpleNamespace(model_name_or_path=raw.get("model"),
-                                                             trust_remote_code=bool(raw.get("trust_remote_code"))))
-        except Exception as exc:
-            lines.append(f"could not read the model's config here ({type(exc).__name__}); its family is checked when "
-                         "the model is built.")
+        model_config = model_config_of(raw)
+        if isinstance(model_config, Exception):
+            lines.append(f"could not read the model's config here ({type(model_config).__name__}); its family is "
+                         "checked when the model is built.")
         else:
             family = families.family_of(getattr(model_config, "model_type", None), model_config)
             quirks = families.describe(family, model_config)

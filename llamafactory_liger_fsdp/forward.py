@@ -33,7 +33,7 @@ from torch import nn
 from . import families, report, transport
 from ._log import info_rank0
 from .config import LigerFsdpConfig
-from .losses import HeadLoss, shifted_labels
+from .losses import HeadLoss
 
 
 @dataclass
@@ -143,7 +143,7 @@ def make_forward(causal_lm: nn.Module, seam: HeadLoss, state: ForwardState):
         hidden = getattr(causal_lm, decoder_attr)(**params, **extra).last_hidden_state[rows, start:end]
         labels = labels[rows, start:end]
         logps, _ = seam.token_logps(hidden, labels, sums=False)
-        count = (shifted_labels(labels, -100)[..., :-1] != -100).sum()
+        count = (labels[:, 1:] != -100).sum()  # the positions token_logps scores
         return SimpleNamespace(loss=-logps.sum() / count)
 
     def logps(params: dict, extra: dict, request: Request) -> transport.LogpsOutput:
@@ -187,14 +187,9 @@ def make_forward(causal_lm: nn.Module, seam: HeadLoss, state: ForwardState):
         labels = params.get("labels")
         if causal_lm.training and labels is not None and not state.request_only:
             return loss(params, extra, labels)
-        if state.request_only:
-            if causal_lm.training and not state.said_no_labels:
-                state.said_no_labels = True
-                info_rank0(OUTSIDE_REQUEST)
-            return original(*args, **kwargs)
         if causal_lm.training and not state.said_no_labels:
             state.said_no_labels = True
-            info_rank0(NO_LABELS)
+            info_rank0(OUTSIDE_REQUEST if state.request_only else NO_LABELS)
         return original(*args, **kwargs)
 
     forward.liger_fsdp_state = state

@@ -10,6 +10,7 @@ list, e.g. ``liger_kernel,liger_fsdp``). v1's parser rejects unknown top-level k
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -106,17 +107,17 @@ def decide_sharding(values: Mapping, env: Mapping[str, str]) -> sharding.Shardin
     if name == "deepspeed":
         found = sharding.decide(SimpleNamespace(deepspeed=dist.get("config_file")), env={})
         if found.kind == sharding.DEEPSPEED:
-            return sharding.Sharding(sharding.DEEPSPEED, found.zero_stage, found.offload_param,
-                                     found.offload_optimizer, "v1's dist_config")
+            return dataclasses.replace(found, source="v1's dist_config")
         return sharding.Sharding(sharding.DEEPSPEED, 0, source="v1's dist_config (config_file not readable here)")
     if sharding.world_size(env) > 1:
         return sharding.Sharding(sharding.DDP, source="the process count")
     return sharding.Sharding(sharding.NONE, source="one process")
 
 
-def check(command: str | None, values: Mapping) -> None:
+def check(command: str | None, values: Mapping, cfg: config.LigerFsdpConfig | None = None) -> None:
     """What the plugin refuses on v1, from the arguments and the installed versions (the launching process and every
-    rank)."""
+    rank); with ``cfg`` also what this machine cannot run (:func:`.refusals.machine_problem`, as on the default
+    engine)."""
     old = versions.too_old()
     if old:
         raise LigerFsdpConfigError(
@@ -139,3 +140,9 @@ def check(command: str | None, values: Mapping) -> None:
             f"`dist_config.name: {dist}` with `{KEY}.name: {NAME}`: the plugin knows v1's fsdp2 and deepspeed "
             f"engines (and DDP without dist_config), not `{dist}`'s sharding of the head. Fix: `dist_config: "
             f"{{name: fsdp2}}`, {FIX_REMOVE}.")
+    if cfg is not None:
+        from .refusals import machine_problem
+
+        problem = machine_problem(cfg)
+        if problem:
+            raise LigerFsdpConfigError(problem)

@@ -65,13 +65,20 @@ def fsdp2_policy(base: Callable[[nn.Module], bool] | None = None) -> Callable[[n
     return policy
 
 
-def shard_marked_units(model: nn.Module, **fully_shard_kwargs: Any) -> list[nn.Module]:
-    """``fully_shard`` every tagged module of ``model`` (call before sharding its parents)."""
-    from torch.distributed.fsdp import fully_shard
-
+def shard_marked_units(model: nn.Module, *, shard: Callable | None = None, below_only: bool = False,
+                       **fully_shard_kwargs: Any) -> list[nn.Module]:
+    """``fully_shard`` every tagged module of ``model`` that is not a unit yet (call before sharding its parents).
+    ``shard``: the function to call (default torch's ``fully_shard``; LLaMA-Factory v1 wraps its own module global);
+    ``below_only``: leave ``model`` itself to the caller. An ``ignored_params`` set is cut to each module's own."""
+    if shard is None:
+        from torch.distributed.fsdp import fully_shard as shard
     done = []
-    for module in list(model.modules()):
+    for module in list(model.modules())[1 if below_only else 0:]:
         if is_marked(module) and not thirdparty.is_fsdp2(module):
-            fully_shard(module, **fully_shard_kwargs)
+            kwargs = dict(fully_shard_kwargs)
+            if kwargs.get("ignored_params"):
+                own = set(module.parameters())
+                kwargs["ignored_params"] = {p for p in kwargs["ignored_params"] if p in own}
+            shard(module, **kwargs)
             done.append(module)
     return done

@@ -147,12 +147,26 @@ def patch_loader(loader_module: Any) -> None:
                 _patch.rebind(mod, "load_model", patch.original, patch.replacement, "re-exported load_model")
 
 
+def zero3_dtypes(model: Any) -> list:
+    """DeepSpeed ZeRO-3 (both engines): trainable parameters in the compute dtype when their dtypes are mixed
+    (:mod:`..precision`), said once; the undo callables."""
+    from .. import precision
+
+    cast, undo = precision.to_compute_dtype(model)
+    if not cast:
+        return []
+    info_rank0(f"[liger_fsdp] DeepSpeed ZeRO-3: trainable parameters in the compute dtype, as DeepSpeed casts them "
+               f"itself under ZeRO-0/1/2 (its optimizer keeps fp32 master weights; ZeRO-3's cannot take mixed dtypes): "
+               f"{cast}.")
+    return [undo]
+
+
 def engage_model(model: Any, cfg: config.LigerFsdpConfig, finetuning_args: Any = None, liger: bool = False):
     """Engage the fused loss on a freshly loaded model and patch only what this run needs: checkpoints for an FSDP2
     adapter run (whether or not the loss engages), then, once engaged, the DeepSpeed ZeRO-3 dtype policy, the FSDP
     wrap policy, label smoothing and the preference trainer of this stage. Every side effect is recorded on the
     engaged model and undone by :func:`..engage.disengage`."""
-    from .. import engage, precision
+    from .. import engage
     from . import accelerate, preference, trainer
 
     stage = getattr(finetuning_args, "stage", "sft")
@@ -165,12 +179,7 @@ def engage_model(model: Any, cfg: config.LigerFsdpConfig, finetuning_args: Any =
     if done is None:
         return None
     if kind == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:
-        cast, undo = precision.to_compute_dtype(model)
-        if cast:
-            engage.record(model, [undo])
-            info_rank0(f"[liger_fsdp] DeepSpeed ZeRO-3: trainable parameters in the compute dtype, as DeepSpeed casts "
-                       f"them itself under ZeRO-0/1/2 (its optimizer keeps fp32 master weights; ZeRO-3's cannot take "
-                       f"mixed dtypes): {cast}.")
+        engage.record(model, zero3_dtypes(model))
     if kind in (sharding.FSDP1, sharding.FSDP2):
         engage.record(model, accelerate.patch_wrap_policy(cfg.sharding.fsdp_version))
     if cfg.label_smoothing:

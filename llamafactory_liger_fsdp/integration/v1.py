@@ -24,16 +24,24 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
-from .. import _patch, config, refusals, sharding, v1_args, versions
-from .._log import info_rank0
+from .. import _patch, config, sharding, v1_args, versions
 from ..config import LigerFsdpConfigError
-from .llamafactory import SAID_ENV, SAID_VERSIONS_ENV, _say_once, read_model_config
+from .llamafactory import SAID_ENV, SAID_VERSIONS_ENV, _say_once, read_model_config, zero3_dtypes
 
 COMMANDS = ("train", "sft", "dpo", "rm")
 _RUN: dict[str, Any] = {"config": None}  # this process's config, from get_args
 
 
 # --------------------------------------------------------------------------- launcher and parser
+def model_config_of(raw: dict):
+    """The model config of a v1 yaml (``model:``), read as training reads it; the exception where it cannot be read."""
+    try:
+        return read_model_config(SimpleNamespace(model_name_or_path=raw.get("model"),
+                                                 trust_remote_code=bool(raw.get("trust_remote_code"))))
+    except Exception as exc:
+        return exc
+
+
 def precheck(command: str, argv: list[str]) -> None:
     """What the yaml alone decides, in the launching process (the ranks repeat it in get_args)."""
     raw = v1_args.read_raw(argv)
@@ -43,18 +51,11 @@ def precheck(command: str, argv: list[str]) -> None:
     cfg = v1_args.config_of(raw.get(v1_args.KEY))
     if not cfg.enabled:
         return
-    v1_args.check(command, raw)
-    problem = refusals.machine_problem(cfg)
-    if problem:
-        raise LigerFsdpConfigError(problem)
-    from .. import families
+    v1_args.check(command, raw, cfg)
+    model_config = model_config_of(raw)
+    if not isinstance(model_config, Exception):  # not readable here (hub id offline, ...): checked at build time
+        from .. import families
 
-    try:
-        model_config = read_model_config(SimpleNamespace(model_name_or_path=raw.get("model"),
-                                                         trust_remote_code=bool(raw.get("trust_remote_code"))))
-    except Exception:  # not readable here (hub id offline, ...): checked again when the model is built
-        model_config = None
-    if model_config is not None:
         families.family_of(getattr(model_config, "model_type", None))
     _say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
 
@@ -87,10 +88,7 @@ def patch_v1_parser(parser_module: Any) -> None:
             cfg = v1_args.config_of(getattr(model_args, v1_args.KEY, None))
             if cfg.enabled:
                 values = v1_args.values_of(model_args, training_args)
-                v1_args.check(None, values)
-                problem = refusals.machine_problem(cfg)
-                if problem:
-                    raise LigerFsdpConfigError(problem)
+                v1_args.check(None, values, cfg)
                 cfg = dataclasses.replace(cfg, sharding=v1_args.decide_sharding(values, os.environ))
                 _patch.log_once()
                 _say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
@@ -170,12 +168,5 @@ def engage_v1(model: Any, kernel_config: Any = None):
     if getattr(cfg.sharding, "kind", None) == sharding.FSDP2:
         engage.record(model, v1_train.patch_fully_shard())
     if getattr(cfg.sharding, "kind", None) == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:
-        from .. import precision
-
-        cast, undo = precision.to_compute_dtype(model)  # v1 loads under zero.init, as LLaMA-Factory's default engine
-        if cast:
-            engage.record(model, [undo])
-            info_rank0(f"[liger_fsdp] DeepSpeed ZeRO-3: trainable parameters in the compute dtype, as DeepSpeed casts "
-                       f"them itself under ZeRO-0/1/2 (its optimizer keeps fp32 masters; ZeRO-3's cannot take mixed "
-                       f"dtypes): {cast}.")
+        engage.record(model, zero3_dtypes(model))  # v1 loads under zero.init too
     return model

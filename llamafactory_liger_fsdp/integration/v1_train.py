@@ -88,13 +88,8 @@ def patch_fully_shard() -> list:
                     info_rank0(f"[liger_fsdp] v1 FSDP2: {type(module).__name__} is already a unit (v1's LoRA leaf loop "
                                "and its embedding rule both shard an untied trainable embedding); left as it is.")
                 return module
-            for sub in list(module.modules())[1:]:
-                if wrapping.is_marked(sub) and not thirdparty.is_fsdp2(sub):
-                    own = dict(kwargs)
-                    if own.get("ignored_params"):
-                        mine = set(sub.parameters())
-                        own["ignored_params"] = {p for p in own["ignored_params"] if p in mine}
-                    original(sub, *args, **own)
+            wrapping.shard_marked_units(module, shard=lambda sub, **kw: original(sub, *args, **kw), below_only=True,
+                                        **kwargs)
             return original(module, *args, **kwargs)
 
         return fully_shard
