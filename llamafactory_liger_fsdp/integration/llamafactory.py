@@ -19,7 +19,8 @@ SAID_ENV = "LLAMAFACTORY_LIGER_FSDP_SAID_DISABLED"
 SAID_VERSIONS_ENV = "LLAMAFACTORY_LIGER_FSDP_SAID_VERSIONS"
 
 
-def _say_once(env: str, line: str | None) -> None:
+def say_once(env: str, line: str | None) -> None:
+    """Log `line` on rank 0 once per launch (the environment variable `env` marks it said, for every process)."""
     if line and not os.environ.get(env):
         os.environ[env] = "1"
         info_rank0(line)
@@ -27,7 +28,7 @@ def _say_once(env: str, line: str | None) -> None:
 
 def _log_disabled(ours: dict) -> None:
     if ours:
-        _say_once(SAID_ENV, f"[liger_fsdp] {config.DISABLE_ENV}=1: the liger_fsdp keys are accepted and ignored; this "
+        say_once(SAID_ENV, f"[liger_fsdp] {config.DISABLE_ENV}=1: the liger_fsdp keys are accepted and ignored; this "
                             "run trains as without the plugin.")
 
 
@@ -65,7 +66,7 @@ def patch_parser(parser_module: Any) -> None:
                 _patch.log_once()
                 refusals.check_parsed(parsed, cfg.sharding, cfg)
                 resume.refuse_sharded_state_dict(cfg.sharding, parsed["finetuning"])
-                _say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
+                say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
             if "finetuning" in parsed:
                 setattr(parsed["finetuning"], config.ATTR, cfg)
             return result
@@ -210,7 +211,7 @@ def precheck(raw: Any) -> None:
         raise
     except Exception:  # config not readable here (hub id offline, ...): checked again at load time
         pass
-    _say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
+    say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
 
 
 def patch_launcher(launcher_module: Any) -> None:

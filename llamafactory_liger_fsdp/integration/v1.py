@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import _patch, config, sharding, v1_args, versions
 from ..config import LigerFsdpConfigError
-from .llamafactory import SAID_ENV, SAID_VERSIONS_ENV, _say_once, read_model_config, zero3_dtypes
+from .llamafactory import SAID_ENV, SAID_VERSIONS_ENV, say_once, read_model_config, zero3_dtypes
 
 COMMANDS = ("train", "sft", "dpo", "rm")
 _RUN: dict[str, Any] = {"config": None}  # this process's config, from get_args
@@ -57,7 +57,7 @@ def precheck(command: str, argv: list[str]) -> None:
         from .. import families
 
         families.family_of(getattr(model_config, "model_type", None))
-    _say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
+    say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
 
 
 def patch_v1_launcher(launcher_module: Any) -> None:
@@ -91,7 +91,7 @@ def patch_v1_parser(parser_module: Any) -> None:
                 v1_args.check(None, values, cfg)
                 cfg = dataclasses.replace(cfg, sharding=v1_args.decide_sharding(values, os.environ))
                 _patch.log_once()
-                _say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
+                say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
             _RUN["config"] = cfg
             return result
 
@@ -150,7 +150,7 @@ def engage_v1(model: Any, kernel_config: Any = None):
 
     cfg = run_config(kernel_config)
     if not cfg.enabled:
-        _say_once(SAID_ENV, f"[liger_fsdp] {config.DISABLE_ENV}=1: kernel "
+        say_once(SAID_ENV, f"[liger_fsdp] {config.DISABLE_ENV}=1: kernel "
                   f"`{v1_args.NAME}` does nothing; this run trains as without the plugin.")
         return model
     causal_lm = engage.causal_lm_of(model)
