@@ -12,7 +12,8 @@ imports torch at import time, so a caller that must not hold a CUDA context (ben
   fused loss), :func:`flce_impl` (a fused-loss implementation by name)
 * LLaMA-Factory runs: ``MODELS`` (real-head shapes), ``VARIANTS`` (yaml keys per variant), :func:`build` (a model
   with random weights + tiny data), :func:`run` (one torchrun launch of bench/lf_bench_launch.py -> its row),
-  :func:`log_line`, :func:`error_line`, ``ZERO3`` / :func:`ds_json` (the DeepSpeed json)
+  :func:`log_line`, :func:`error_line`, ``ZERO3`` / :func:`ds_json` (the DeepSpeed json), ``DEPTH_MODEL`` /
+  :func:`build_depth_model` (the 32-layer Llama-3-8B shape, built in a process of its own)
 
     python bench/common.py build WORK NAME --layers 32 --max-position 131072 --rows 1400 --answer-words 300 500
 
@@ -244,6 +245,25 @@ def build(work, name, spec, layers, rows=400, answer_words=(300, 500), *, max_po
     os.rmdir(tmp)
     del model
     torch.cuda.empty_cache()
+    return mdir
+
+
+# the real-depth model of bench/depth_h200.py and bench/depth_dpo_vlm_h200.py (six 128k packs of data)
+DEPTH_MODEL = dict(name="llama3-8b-L32", spec="llama3-8b", layers=32, max_position=131072, rows=1400,
+                   answer_words=(300, 500))
+
+
+def build_depth_model(work: str) -> str:
+    """WORK/llama3-8b-L32 (``DEPTH_MODEL``), built once a machine in a process of its own (the caller holds no CUDA
+    context); returns its directory."""
+    d = DEPTH_MODEL
+    mdir = os.path.join(work, d["name"])
+    if not os.path.exists(os.path.join(mdir, "model", "config.json")):
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, os.path.abspath(__file__), "build", work, d["name"], "--spec", d["spec"],
+                        "--layers", str(d["layers"]), "--max-position", str(d["max_position"]), "--rows", str(d["rows"]),
+                        "--answer-words", *map(str, d["answer_words"])], check=True)
+        print(f"[bench] built {mdir} in {time.monotonic() - t0:.0f} s", flush=True)
     return mdir
 
 

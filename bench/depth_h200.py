@@ -48,12 +48,13 @@ import sys
 import tempfile
 import time
 
-from common import MAKE_ASSETS, MODELS, ROOT, append_row, card, ds_json, load_rows, log_line, now, run, versions
+from common import (DEPTH_MODEL, MAKE_ASSETS, MODELS, ROOT, append_row, build_depth_model, card, ds_json, load_rows,
+                    log_line, now, run, versions)
 from common import VARIANTS as RUN_VARIANTS
 
-SPEC = MODELS["llama3-8b"]
-LAYERS = 32
-LADDER = (4096, 8192, 16384, 32768, 65536, 131072)
+SPEC = MODELS[DEPTH_MODEL["spec"]]
+LAYERS = DEPTH_MODEL["layers"]
+LADDER = (4096, 8192, 16384, 32768, 65536, 131072)  # the top is DEPTH_MODEL's max_position
 SMOKE_LADDER = (64, 128, 256, 512)  # the tiny model's max_position_embeddings is 512
 # variant -> (bench/common.py's VARIANTS key, extra yaml keys)
 VARIANTS = {
@@ -69,7 +70,6 @@ MAIN4 = ("plain", "liger", "plugin", "plugin+liger")
 PAIRS = (("plain", "plugin"), ("liger", "plugin+liger"))  # the speed targets' pairs
 SETUP = ("Llama-3-8B shape, 32 layers, LoRA r16 all + embed_tokens,lm_head, bf16, packing, gradient checkpointing, "
          "world size 1")
-ASSET_ROWS, ASSET_WORDS = 1400, (300, 500)  # ~860k tokens: six 128k packs
 SMOKE_ROWS, SMOKE_WORDS = 200, (6, 24)
 
 
@@ -81,7 +81,9 @@ def short(cutoff):
 
 
 def mine(rows, smoke, stage="sft"):
-    return [r for r in rows if bool(r.get("smoke")) == smoke and r.get("stage") == stage and not r.get("superseded")]
+    """This script's rows (bench/depth_dpo_vlm_h200.py's share the file: they carry a ``part``)."""
+    return [r for r in rows if bool(r.get("smoke")) == smoke and r.get("stage") == stage and not r.get("superseded")
+            and not r.get("part")]
 
 
 def results(rows, sharding, variant):
@@ -239,24 +241,18 @@ def predict(rows, sharding, cutoff, steps, smoke):
 
 
 def asset_dir(work, smoke):
-    return os.path.join(work, "smoke" if smoke else f"llama3-8b-L{LAYERS}")
+    return os.path.join(work, "smoke" if smoke else DEPTH_MODEL["name"])
 
 
 def assets(work, smoke):
     mdir = asset_dir(work, smoke)
-    name = os.path.basename(mdir)
     if os.path.exists(os.path.join(mdir, "model", "config.json")):
         return mdir
     if smoke:
         subprocess.run([sys.executable, MAKE_ASSETS, mdir, "--rows", str(SMOKE_ROWS), "--answer-words",
                         *map(str, SMOKE_WORDS)], check=True)
         return mdir
-    t0 = time.monotonic()
-    subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py"), "build",
-                    work, name, "--layers", str(LAYERS), "--max-position", str(LADDER[-1]), "--rows", str(ASSET_ROWS),
-                    "--answer-words", *map(str, ASSET_WORDS)], check=True)
-    print(f"[depth] built {mdir} in {time.monotonic() - t0:.0f} s", flush=True)
-    return mdir
+    return build_depth_model(work)
 
 
 def run_args(work, mdir, sharding, variant, cutoff, smoke):
