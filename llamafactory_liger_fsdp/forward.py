@@ -11,9 +11,11 @@ Set on the causal LM *instance* by :func:`..engage.engage`. In training with lab
 The preference stages and LLaMA-Factory's v1 trainers ask explicitly: :func:`token_logps` calls the whole model with a
 pending request, and the forward answers it with per-token log-probs (:meth:`.losses.HeadLoss.token_logps`) instead of
 logits. With ``request_only`` (v1, whose callers read ``.logits`` whenever they pass labels) only such requests take
-the fused path, and the guard checks the first request made in training.
+the fused path.
 
-On the first training step with labels the exactness guard (:mod:`.guard`) compares it with the original forward.
+On the first training step with labels (SFT / pt) or the first log-probs request made in training with gradients
+(the policy's, in the preference stages and v1) the exactness guard (:mod:`.guard`) compares the fused loss with the
+original forward's on a slice.
 In eval, or without labels, the original forward runs untouched (callers may want the logits); in
 training without labels that is said once (the Trainer pops them for ``label_smoothing_factor > 0``).
 """
@@ -137,7 +139,7 @@ def make_forward(causal_lm: nn.Module, seam: HeadLoss, state: ForwardState):
         return families.build_output(family, causal_lm, loss, outputs, params.get("attention_mask"), with_aux)
 
     def window_logps_loss(params: dict, extra: dict, labels, window):
-        """The guard's fused side for v1: the mean of ``-token_logps`` over the window (what the model's own loss is
+        """The guard's fused side for log-probs requests: the mean of ``-token_logps`` over the window (what the model's own loss is
         on those positions), through the same per-row kernel call as the real request."""
         rows, start, end = window
         hidden = getattr(causal_lm, decoder_attr)(**params, **extra).last_hidden_state[rows, start:end]
@@ -152,7 +154,7 @@ def make_forward(causal_lm: nn.Module, seam: HeadLoss, state: ForwardState):
             params.pop(key, None)
         if state.steps == 0:
             first_step()
-        if state.request_only and state.guard and causal_lm.training and torch.is_grad_enabled():
+        if state.guard and causal_lm.training and torch.is_grad_enabled():  # the policy's first training request
             from . import guard
 
             step = request.step if request.step is not None else state.global_step

@@ -206,3 +206,45 @@ def test_fp32_results_survive_a_bf16_output_cast():
     weights = torch.randn(4096)
     (cast * weights).sum().backward()
     assert torch.equal(x.grad, weights.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("stage", ["dpo", "kto"])
+def test_guard_checks_the_policys_first_training_request(tmp_path, stage, capsys, monkeypatch):
+    """The step-1 guard runs in the preference stages too: once, on the policy's first request with gradients (not
+    the reference pass, not KTO's no-grad KL pass), exact on an honest run, and it stops a 1% error in the per-token
+    log-probs with the key and the fix named."""
+    from llamafactory.train.dpo.trainer import CustomDPOTrainer
+    from llamafactory.train.kto.trainer import CustomKTOTrainer
+
+    from llamafactory_liger_fsdp import losses
+    from llamafactory_liger_fsdp.config import LigerFsdpConfigError
+    from support import names_key_and_fix
+
+    def run(seed):
+        plain, fused = _twins("mts")
+        plain.train(), fused.train()
+        batch = _pairs(seed=seed)
+        if stage == "kto":
+            trainer = _trainer(CustomKTOTrainer, tmp_path, plain, stage="kto")
+            batch.update({f"kl_{k}": v for k, v in _pairs(seed=seed + 1).items()},
+                         kto_tags=torch.tensor([True, False, True, False]))
+        else:
+            trainer = _trainer(CustomDPOTrainer, tmp_path, plain, stage="dpo", pref_loss="sigmoid")
+        setattr(trainer.finetuning_args, config.ATTR, ON)
+        for _ in range(2):
+            trainer.get_batch_loss_metrics(fused, dict(batch))
+
+    run(31)
+    lines = [l for l in capsys.readouterr().err.splitlines() if "guard:" in l]
+    assert len(lines) == 1 and "guard: step 1 exact: model's own loss" in lines[0], lines
+    honest = losses.HeadLoss.token_logps
+
+    def off(self, *a, **k):
+        logps, sums = honest(self, *a, **k)
+        return logps * 1.01, sums
+
+    monkeypatch.setattr(losses.HeadLoss, "token_logps", off)
+    with pytest.raises(LigerFsdpConfigError) as exc:
+        run(41)
+    assert "model's own loss" in str(exc.value) and "fused loss" in str(exc.value)
+    names_key_and_fix(str(exc.value), "liger_fsdp_guard", "remove `liger_fsdp`")
