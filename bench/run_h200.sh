@@ -19,6 +19,9 @@
 #                                   # bench/depth_h200.py: the 32-layer Llama-3-8B runs (longest cutoff per variant),
 #                                   # appended to $OUT/h200_depth.json (starts as a copy of bench/results/h200_depth.json;
 #                                   # copy it back between calls); whole command under DEPTH_LIMIT s (default 570)
+#   DPO_ARGS="--runs 2" bash bench/run_h200.sh dpo   # bench/depth_dpo_vlm_h200.py dpo (32-layer Llama-3-8B, 2k/8k a side)
+#   VLM_ARGS="--runs 2" bash bench/run_h200.sh vlm   # ... vlm (Qwen2.5-VL-7B at depth, images); both append to
+#                                   # $OUT/h200_depth.json like depth (copy it back between calls); under PART_LIMIT s
 # Wheels that the image lacks travel in .whl/ (see bench/RESULTS.md); results go to $OUT (or bench/results).
 # Every bench script imports bench/common.py (found next to it) and the package llamafactory_liger_fsdp: the cases
 # below install it or put the checkout on PYTHONPATH; the one-shot kernel probes (bench/gemm_shapes.py,
@@ -70,6 +73,21 @@ case "${1:-kernel}" in
     done > "$OUT/depth_fail.log" 2>/dev/null
     exit 0
     ;;
+  dpo|vlm)
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/llamafactory_liger_fsdp-*.whl || exit 1
+    install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
+    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+    limit=${PART_LIMIT:-570}
+    prev=bench/results/h200_depth.json
+    if [ -f "$prev" ] && [ ! -e "$OUT/h200_depth.json" ]; then cp "$prev" "$OUT/h200_depth.json"; fi
+    args=$([ "$1" = dpo ] && echo "${DPO_ARGS:-}" || echo "${VLM_ARGS:-}")
+    timeout $((limit - SECONDS)) python3 bench/depth_dpo_vlm_h200.py "$1" --out "$OUT/h200_depth.json" \
+      --deadline $((limit - 15 - SECONDS)) $args 2>&1 | tee "$OUT/$1.log"
+    for f in /tmp/real_size/$1_*_r[0-9]*.log; do  # failed runs only
+      [ -e "$f" ] && [ ! -s "${f%.log}.json" ] && tail -c 3000 "$f" > "$OUT/$1_run_$(basename "$f")"
+    done
+    exit 0
+    ;;
   v1)
     # bench/v1_h200.py: LLaMA-Factory's v1 engine, v1's own SFT against the plugin's kernel (issue 29's figure), rows
     # appended to $OUT/h200_v1.json (starts as a copy of bench/results/h200_v1.json); under V1_LIMIT s (default 570)
@@ -81,7 +99,9 @@ case "${1:-kernel}" in
     if [ -f "$prev" ] && [ ! -e "$OUT/h200_v1.json" ]; then cp "$prev" "$OUT/h200_v1.json"; fi
     timeout $((limit - SECONDS)) python3 bench/v1_h200.py --out "$OUT/h200_v1.json" --work /tmp/v1_bench \
       --deadline $((limit - 15 - SECONDS)) ${V1_ARGS:-} 2>&1 | tee "$OUT/v1.log"
-    for f in /tmp/v1_bench/*_r[0-9]*.log; do [ -e "$f" ] && tail -c 4000 "$f" > "$OUT/v1_run_$(basename "$f")"; done
+    for f in /tmp/v1_bench/*_r[0-9]*.log; do  # failed runs only (no result JSON): at most 8 files come back
+      [ -e "$f" ] && [ ! -s "${f%.log}.json" ] && tail -c 4000 "$f" > "$OUT/v1_run_$(basename "$f")"
+    done
     exit 0
     ;;
   sft|multi|reach|speed)
