@@ -258,8 +258,10 @@ def main():
                     skipped.append(f"{variant}:{cutoff}:r{r + 1}")
                     continue
                 timeout = max(30, args.deadline - elapsed) if args.deadline else 3600
-                print(f"[{args.part}] {variant} {cutoff} run {r + 1} ({elapsed:.0f} s in)", flush=True)
-                row = one_run(args, meta, mdir, data, cutoff, variant, r + 1, timeout)
+                nrun = 1 + max((x["run"] for x in mine(load_rows(out), args.part, args.smoke)
+                                if (x["variant"], x["cutoff"]) == (variant, cutoff)), default=0)  # earlier calls' too
+                print(f"[{args.part}] {variant} {cutoff} run {nrun} ({elapsed:.0f} s in)", flush=True)
+                row = one_run(args, meta, mdir, data, cutoff, variant, nrun, timeout)
                 longest = max(longest, row["wall_s"])
                 append_row(out, row)
                 print(f"[{args.part}] -> {'fits' if row['fits'] else 'fails'}: {row['tokens_per_s'] or 0:.0f} tok/s, "
