@@ -204,10 +204,12 @@ def table(rows, part) -> list[str]:
                 out.append(f"    {r.get('engaged') or 'not engaged'} | {r.get('guard') or 'no guard line'}")
         if len(med) == 2:
             (tp, mp), (tg, mg) = med["plain"], med["plugin"]
-            spread = [r["tokens_per_s"] for r in rows if r["cutoff"] == c and r["fits"]]
+            runs = {v: [r["tokens_per_s"] for r in rows if (r["cutoff"], r["variant"], r["fits"]) == (c, v, True)]
+                    for v in VARIANTS}
+            spread = ", ".join(f"{v} {len(t)} run(s)" + (f", spread {100 * (max(t) / min(t) - 1):.1f}%" if len(t) > 1 else "")
+                               for v, t in runs.items())
             ratio = f"{mg / mp:.3f}x" if mp else "n/a (no CUDA peak)"
-            out.append(f"  -> plugin {tg / tp:.3f}x plain tok/s, peak {ratio} plain's "
-                       f"({len(spread)} runs, spread {100 * (max(spread) / min(spread) - 1):.1f}% over all)")
+            out.append(f"  -> plugin {tg / tp:.3f}x plain tok/s, peak {ratio} plain's ({spread})")
             if part == "dpo":
                 out.append(f"     targets: peak <= 0.6x {'met' if mg <= 0.6 * mp and mp else 'NOT met'}; tok/s >= 0.98x "
                            f"{'met' if tg >= 0.98 * tp else 'NOT met'}")
