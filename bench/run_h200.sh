@@ -32,6 +32,14 @@ OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@" || exit 1; }
+install_stack() {  # the plugin's wheel pip-installed for real (its .pth hook must land in site-packages), then the rest
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/llamafactory_liger_fsdp-*.whl || exit 1
+  install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
+  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+}
+keep_rows() {  # $OUT/$1 starts as a copy of bench/results/$1: the rows so far, appended to (copy it back between calls)
+  if [ -f "bench/results/$1" ] && [ ! -e "$OUT/$1" ]; then cp "bench/results/$1" "$OUT/$1"; fi
+}
 case "${1:-kernel}" in
   kernel|kernel-only)
     install .whl/liger_kernel-*.whl .whl/cut_cross_entropy-*.whl
@@ -58,14 +66,10 @@ case "${1:-kernel}" in
     OUT=$OUT bash "$0" sft
     ;;
   depth)
-    # the plugin's wheel (built from a commit: .whl/PLUGIN_COMMIT) pip-installed for real, its .pth in site-packages
-    python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/llamafactory_liger_fsdp-*.whl || exit 1
-    install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
-    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+    install_stack  # the plugin's wheel is built from a commit (.whl/PLUGIN_COMMIT, recorded on every row)
     limit=${DEPTH_LIMIT:-570}  # seconds for this whole command, the installs above included
     nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,temperature.gpu --format=csv,noheader
-    prev=bench/results/h200_depth.json
-    if [ -f "$prev" ] && [ ! -e "$OUT/h200_depth.json" ]; then cp "$prev" "$OUT/h200_depth.json"; fi
+    keep_rows h200_depth.json
     timeout $((limit - SECONDS)) python3 bench/depth_h200.py --out "$OUT/h200_depth.json" \
       --deadline $((limit - 10 - SECONDS)) ${DEPTH_ARGS:-} 2>&1 | tee "$OUT/depth.log"
     for f in /tmp/real_size/fsdp2_*_r[0-9]*.log /tmp/real_size/zero3_*_r[0-9]*.log; do  # runs with no result JSON
@@ -74,12 +78,9 @@ case "${1:-kernel}" in
     exit 0
     ;;
   dpo|vlm)
-    python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/llamafactory_liger_fsdp-*.whl || exit 1
-    install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
-    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+    install_stack
     limit=${PART_LIMIT:-570}
-    prev=bench/results/h200_depth.json
-    if [ -f "$prev" ] && [ ! -e "$OUT/h200_depth.json" ]; then cp "$prev" "$OUT/h200_depth.json"; fi
+    keep_rows h200_depth.json
     args=$([ "$1" = dpo ] && echo "${DPO_ARGS:-}" || echo "${VLM_ARGS:-}")
     timeout $((limit - SECONDS)) python3 bench/depth_dpo_vlm_h200.py "$1" --out "$OUT/h200_depth.json" \
       --deadline $((limit - 15 - SECONDS)) $args 2>&1 | tee "$OUT/$1.log"
@@ -91,12 +92,9 @@ case "${1:-kernel}" in
   v1)
     # bench/v1_h200.py: LLaMA-Factory's v1 engine, v1's own SFT against the plugin's kernel (issue 29's figure), rows
     # appended to $OUT/h200_v1.json (starts as a copy of bench/results/h200_v1.json); under V1_LIMIT s (default 570)
-    python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/llamafactory_liger_fsdp-*.whl || exit 1
-    install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
-    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+    install_stack
     limit=${V1_LIMIT:-570}
-    prev=bench/results/h200_v1.json
-    if [ -f "$prev" ] && [ ! -e "$OUT/h200_v1.json" ]; then cp "$prev" "$OUT/h200_v1.json"; fi
+    keep_rows h200_v1.json
     timeout $((limit - SECONDS)) python3 bench/v1_h200.py --out "$OUT/h200_v1.json" --work /tmp/v1_bench \
       --deadline $((limit - 15 - SECONDS)) ${V1_ARGS:-} 2>&1 | tee "$OUT/v1.log"
     for f in /tmp/v1_bench/*_r[0-9]*.log; do  # failed runs only (no result JSON): at most 8 files come back
@@ -105,10 +103,7 @@ case "${1:-kernel}" in
     exit 0
     ;;
   sft|multi|reach|speed)
-    # the plugin itself is pip-installed for real (its .pth hook must land in site-packages)
-    python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/llamafactory_liger_fsdp-*.whl || exit 1
-    install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
-    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+    install_stack
     python3 -c "import transformers,peft,accelerate,llamafactory;print(transformers.__version__,peft.__version__,accelerate.__version__,llamafactory.__version__)"
     if [ "$1" = reach ]; then
       timeout 570 python3 bench/reach_h200.py "$2" --out "$OUT/h200_reach_$2.json" ${REACH_ARGS:-} 2>&1 | tee "$OUT/reach_$2.log"
@@ -117,8 +112,7 @@ case "${1:-kernel}" in
     fi
     if [ "$1" = speed ]; then
       limit=${SPEED_LIMIT:-570}  # seconds for this whole command, the installs above included
-      prev=bench/results/h200_speed.json  # rows so far: appended to, run numbers continue
-      if [ -f "$prev" ] && [ ! -e "$OUT/h200_speed.json" ]; then cp "$prev" "$OUT/h200_speed.json"; fi
+      keep_rows h200_speed.json
       timeout $((limit - SECONDS)) python3 bench/speed_h200.py --out "$OUT/h200_speed.json" --deadline $((limit - 15 - SECONDS)) \
         ${SPEED_ARGS:-} 2>&1 | tee "$OUT/speed.log"
       for f in /tmp/real_size/*_r[0-9]*.log; do  # failed runs (no result JSON) keep a longer log tail
