@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +50,7 @@ def run_v1(cfg: dict, nproc: int = 2, command: str = "sft", timeout: int = 600) 
     import yaml
 
     out = Path(cfg["output_dir"])
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     path = out.parent / (out.name + ".yaml")
     path.write_text(yaml.safe_dump(cfg))
     bindir = str(Path(sys.executable).parent)
@@ -59,6 +60,8 @@ def run_v1(cfg: dict, nproc: int = 2, command: str = "sft", timeout: int = 600) 
     for key in ("LLAMAFACTORY_LIGER_FSDP_SAID_DISABLED", "LLAMAFACTORY_LIGER_FSDP_SAID_VERSIONS"):
         env.pop(key, None)
     for _ in range(2):  # a gloo rank of v1 (with or without the plugin) aborts now and then (SIGABRT): run it again once
+        shutil.rmtree(out, ignore_errors=True)  # from scratch: v1 appends to a trainer_log.jsonl it finds
+        out.mkdir(parents=True)
         proc = subprocess.run([os.path.join(bindir, "llamafactory-cli"), command, str(path)], capture_output=True,
                               text=True, timeout=timeout, env=env, cwd=str(out.parent))
         log = proc.stdout + proc.stderr
