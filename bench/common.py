@@ -13,7 +13,7 @@ imports torch at import time, so a caller that must not hold a CUDA context (ben
 * LLaMA-Factory runs: ``MODELS`` (real-head shapes), ``VARIANTS`` (yaml keys per variant), :func:`build` (a model
   with random weights + tiny data), :func:`run` (one torchrun launch of bench/lf_bench_launch.py -> its row),
   :func:`log_line`, :func:`error_line`, ``ZERO3`` / :func:`ds_json` (the DeepSpeed json), ``DEPTH_MODEL`` /
-  :func:`build_depth_model` (the 32-layer Llama-3-8B shape, built in a process of its own)
+  :func:`build_depth_model` (the 32-layer Llama-3-8B shape, built in a process of its own), :func:`filling_words`
 
     python bench/common.py build WORK NAME --layers 32 --max-position 131072 --rows 1400 --answer-words 300 500
 
@@ -246,6 +246,12 @@ def build(work, name, spec, layers, rows=400, answer_words=(300, 500), *, max_po
     del model
     torch.cuda.empty_cache()
     return mdir
+
+
+def filling_words(cutoff: int) -> int:
+    """Answer words that fill ``cutoff`` tokens with make_assets' tokenizer (~1.45 tokens a word: a little over the
+    cutoff, which truncation cuts to it)."""
+    return int(cutoff / 1.3)
 
 
 # the real-depth model of bench/depth_h200.py and bench/depth_dpo_vlm_h200.py (six 128k packs of data)

@@ -33,8 +33,8 @@ import sys
 import tempfile
 import time
 
-from common import (DEPTH_MODEL, MAKE_ASSETS, MODELS, ROOT, append_row, build_depth_model, card, load_rows, log_line,
-                    now, run, versions)
+from common import (DEPTH_MODEL, MAKE_ASSETS, MODELS, ROOT, append_row, build_depth_model, card, filling_words,
+                    load_rows, log_line, now, run, versions)
 
 VARIANTS = {"plain": "plain", "plugin": "liger_fsdp_auto"}  # row variant -> bench/common.py's VARIANTS key
 WORDS = "the image shows a red blue green square circle cat dog on left right top bottom what color shape is".split()
@@ -60,7 +60,7 @@ def dpo_assets(work: str, cutoff: int, smoke: bool) -> tuple[str, str]:
         subprocess.run([sys.executable, MAKE_ASSETS, model], check=True, capture_output=True)
     data = os.path.join(work, f"dpo_data_{cutoff}")
     if not os.path.exists(os.path.join(data, "data", "dataset_info.json")):
-        words = int(cutoff / 1.3)  # ~1.45 tokens a word with the tiny tokenizer: a little over the cutoff, cut to it
+        words = filling_words(cutoff)
         subprocess.run([sys.executable, MAKE_ASSETS, data, "--no-model", "--rows", "32", "--answer-words", str(words),
                         str(words + 200)], check=True, capture_output=True)
     return model, os.path.join(data, "data")

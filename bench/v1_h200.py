@@ -28,7 +28,8 @@ import sys
 import tempfile
 import time
 
-from common import MAKE_ASSETS, MODELS, ROOT, append_row, build, card, error_line, log_line, now, versions
+from common import (MAKE_ASSETS, MODELS, ROOT, append_row, build, card, error_line, filling_words, log_line, now,
+                    versions)
 
 HEAD_ONLY = ["lm_head"]
 SEED = ["lm_head", "embed_tokens"]
@@ -46,8 +47,8 @@ def assets(work: str, smoke: bool, cutoff: int) -> tuple[str, str]:
         mdir = os.path.join(work, "tiny")
         if not os.path.exists(os.path.join(mdir, "model", "config.json")):
             subprocess.run([sys.executable, MAKE_ASSETS, mdir], check=True, capture_output=True)
-    else:  # ~1.45 tokens a word with the tiny tokenizer: answers of cutoff / 1.3 words fill a sample
-        words = int(cutoff / 1.3)
+    else:  # answers that fill a sample
+        words = filling_words(cutoff)
         mdir = build(work, f"llama3-8b-2l-{cutoff}", MODELS["llama3-8b"], 2, rows=24, answer_words=(words, words + 500),
                      max_position=max(32768, 2 * cutoff))
     data = os.path.join(work, "v1_data.yaml")

@@ -139,8 +139,8 @@ def make_forward(causal_lm: nn.Module, seam: HeadLoss, state: ForwardState):
         return families.build_output(family, causal_lm, loss, outputs, params.get("attention_mask"), with_aux)
 
     def window_logps_loss(params: dict, extra: dict, labels, window):
-        """The guard's fused side for log-probs requests: the mean of ``-token_logps`` over the window (what the model's own loss is
-        on those positions), through the same per-row kernel call as the real request."""
+        """The guard's fused side for log-probs requests: the mean of ``-token_logps`` over the window (what the
+        model's own loss is on those positions), through the same per-row kernel call as the real request."""
         rows, start, end = window
         hidden = getattr(causal_lm, decoder_attr)(**params, **extra).last_hidden_state[rows, start:end]
         labels = labels[rows, start:end]

@@ -29,7 +29,7 @@ def say_once(env: str, line: str | None) -> None:
 def _log_disabled(ours: dict) -> None:
     if ours:
         say_once(SAID_ENV, f"[liger_fsdp] {config.DISABLE_ENV}=1: the liger_fsdp keys are accepted and ignored; this "
-                            "run trains as without the plugin.")
+                           "run trains as without the plugin.")
 
 
 # --------------------------------------------------------------------------- the parser

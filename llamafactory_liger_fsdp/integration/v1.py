@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import _patch, config, sharding, v1_args, versions
 from ..config import LigerFsdpConfigError
-from .llamafactory import SAID_ENV, SAID_VERSIONS_ENV, say_once, read_model_config, zero3_dtypes
+from .llamafactory import SAID_ENV, SAID_VERSIONS_ENV, read_model_config, say_once, zero3_dtypes
 
 COMMANDS = ("train", "sft", "dpo", "rm")
 _RUN: dict[str, Any] = {"config": None}  # this process's config, from get_args
@@ -151,7 +151,7 @@ def engage_v1(model: Any, kernel_config: Any = None):
     cfg = run_config(kernel_config)
     if not cfg.enabled:
         say_once(SAID_ENV, f"[liger_fsdp] {config.DISABLE_ENV}=1: kernel "
-                  f"`{v1_args.NAME}` does nothing; this run trains as without the plugin.")
+                 f"`{v1_args.NAME}` does nothing; this run trains as without the plugin.")
         return model
     causal_lm = engage.causal_lm_of(model)
     if causal_lm.get_output_embeddings() is None:
