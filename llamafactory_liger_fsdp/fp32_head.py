@@ -15,6 +15,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from .ops.upcast import to_fp32
+
 TAINT = "_liger_fsdp_guard_fp32"
 
 
@@ -73,5 +75,5 @@ def _linear_fp32(x, weight, bias=None):
             out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
             out = out.reshape(*x.shape[:-1], weight.shape[0])
         else:
-            out = torch.nn.functional.linear(x.float(), weight.float())
+            out = torch.nn.functional.linear(*to_fp32(x, weight))
         return out if bias is None else out + bias.float()

@@ -12,6 +12,7 @@ import torch
 
 from . import triton_kernels as tk
 from .labels import LabelScan
+from .upcast import to_fp32
 
 # Fast path row chunk: fewer chunks = fewer passes over the fp32 [V, H] dW accumulator (8 V H bytes
 # each); chosen from bench/RESULTS.md section 1.
@@ -34,7 +35,7 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) ->
         return torch.mm(a, b, out=out)
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32, out=out)
-    return torch.mm(a.float(), b.float(), out=out)  # CPU has no mixed-dtype mm
+    return torch.mm(*to_fp32(a, b), out=out)  # CPU has no mixed-dtype mm
 
 
 def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -44,7 +45,7 @@ def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     elif a.is_cuda:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
-        acc.addmm_(a.float(), b.float())
+        acc.addmm_(*to_fp32(a, b))
 
 
 def dz_scale(dtype: torch.dtype) -> float:

@@ -56,7 +56,7 @@ def fused_linear_cross_entropy_triton(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     return_lse: bool = False,
-    mem_budget: int = triton_lean.DEFAULT_MEM_BUDGET,
+    mem_budget: int | None = None,
     tiles: tuple[int, int, int] | None = None,
     fast: bool = False,
     frozen_weight: torch.Tensor | None = None,
@@ -64,7 +64,8 @@ def fused_linear_cross_entropy_triton(
     """Triton backend of :func:`llamafactory_liger_fsdp.ops.fused_linear_cross_entropy` (``frozen_weight`` as there;
     labels outside ``[0, V)`` raise its ``ValueError`` from :func:`.labels.scan_labels`, the call's one host sync).
     ``tiles=(c, v_s, R)`` overrides the planning (``c``: fast path row chunk; ``(v_s, R)``: lean tiles) so tests reach
-    every loop path.
+    every loop path; ``mem_budget``: the lean path's working bytes (None: ``triton_lean.DEFAULT_MEM_BUDGET``, read at
+    the call, like every size constant of ``ops/``).
 
     Without a gradient to compute (grad mode off, or neither input requires grad) only the
     forward runs (lean tiles, ``2 N_v H V`` flops, no gradient buffers), for both variants."""

@@ -14,6 +14,8 @@ from . import triton_kernels as tk
 
 DEFAULT_MEM_BUDGET = 1024 * 1024 * 1024  # lean path working memory (chosen from bench/RESULTS.md section 1)
 MIN_TILE = 2048  # smallest backward tile side at real sizes (tests lower it)
+MAX_ROWS = 8192  # largest row block of the lean tiles
+TILE_CHARGE = 16 << 20  # each tile's launch charged as this many bytes of traffic in plan_tiles
 
 
 # --------------------------------------------------------------------------- planning
@@ -42,7 +44,7 @@ def _pow2_down(top: int, bottom: int) -> list[int]:
 
 
 def plan_tiles(n_valid: int, h: int, v: int, *, need_h: bool = True, need_w: bool = True, all_valid: bool = False,
-               row_scaled: bool = False, elt: int = 2, mem_budget: int = DEFAULT_MEM_BUDGET,
+               row_scaled: bool = False, elt: int = 2, mem_budget: int | None = None,
                min_tile: int | None = None) -> tuple[int, int]:
     """Lean tiles ``(v_s, R)`` within ``mem_budget`` (see :func:`lean_bytes`), the one with the
     least fp32 accumulator traffic (``dh`` re-read per slab, ``dW`` slab per row block) plus a
@@ -50,10 +52,11 @@ def plan_tiles(n_valid: int, h: int, v: int, *, need_h: bool = True, need_w: boo
     matmul roof): when even those exceed the budget -- the dh accumulator alone is ``4 N_v H`` --
     the smallest such tiles are used."""
     min_tile = MIN_TILE if min_tile is None else min_tile
+    mem_budget = DEFAULT_MEM_BUDGET if mem_budget is None else mem_budget
     n_valid = max(n_valid, 1)
     vmax = min(tc.MAX_SLAB, triton.next_power_of_2(v))
     slabs = _pow2_down(vmax, min(min_tile, vmax))
-    rows = [n_valid] + [x for x in _pow2_down(8192, min_tile) if x < n_valid]
+    rows = [n_valid] + [x for x in _pow2_down(MAX_ROWS, min_tile) if x < n_valid]
     best = None
     for v_s in slabs:
         for r in rows:
@@ -62,7 +65,7 @@ def plan_tiles(n_valid: int, h: int, v: int, *, need_h: bool = True, need_w: boo
                              elt=elt)
             n_slabs, n_blocks = math.ceil(v / v_s), math.ceil(n_valid / r)
             traffic = (8 * n_valid * h * n_slabs if need_h else 0) + (8 * v * h * n_blocks if need_w else 0)
-            traffic += n_slabs * n_blocks * (16 << 20)
+            traffic += n_slabs * n_blocks * TILE_CHARGE
             key = (mem > mem_budget, mem if mem > mem_budget else traffic)
             if best is None or key < best[0]:
                 best = (key, v_s, r)
