@@ -216,11 +216,12 @@ ZERO3 = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "
                                "stage3_param_persistence_threshold": "auto", "stage3_gather_16bit_weights_on_model_save": True}}
 
 
-def build(work, name, spec, layers, rows=400, answer_words=(300, 500), *, max_position=32768, seed=None):
-    """WORK/NAME: tokenizer + data from recipes/tiny_cpu/make_assets.py, the model of ``spec`` (a ``MODELS`` value) at
-    ``layers`` decoder layers and ``max_position`` embeddings from its config, random weights (``seed``: torch's
-    seed first) made on the GPU, bf16, untied head, saved once under WORK/NAME/model (a later call reuses it;
-    config.json lands last, so a stopped build is not taken as done)."""
+def build(work, name, spec, layers, rows=400, answer_words=(300, 500), *, max_position=32768, seed=None,
+          device="cuda"):
+    """WORK/NAME: tokenizer + data from recipes/tiny_cpu/make_assets.py, the model of ``spec`` (a ``MODELS`` value or a
+    :func:`twin_spec` of one) at ``layers`` decoder layers and ``max_position`` embeddings from its config, random
+    weights (``seed``: torch's seed first) made on ``device``, bf16, untied head, saved once under WORK/NAME/model (a
+    later call reuses it; config.json lands last, so a stopped build is not taken as done)."""
     mdir = os.path.join(work, name)
     if os.path.exists(os.path.join(mdir, "model", "config.json")):
         return mdir
@@ -236,7 +237,7 @@ def build(work, name, spec, layers, rows=400, answer_words=(300, 500), *, max_po
                                   pad_token_id=tok.pad_token_id, **kw)
     if seed is not None:
         torch.manual_seed(seed)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     tmp = os.path.join(mdir, "model_tmp")
     model.save_pretrained(tmp)
@@ -244,7 +245,8 @@ def build(work, name, spec, layers, rows=400, answer_words=(300, 500), *, max_po
         os.replace(os.path.join(tmp, fname), os.path.join(mdir, "model", fname))
     os.rmdir(tmp)
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return mdir
 
 
@@ -399,10 +401,156 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
                tokens_per_step=per_step, step_s=statistics.median(times), tokens_per_s=per_step / statistics.median(times),
                tokens_per_s_per_gpu=per_step / statistics.median(times) / nproc,
                peak_gib=max(s["peak_mib"] for s in res["steps"]) / 1024, losses=res["losses"],
-               step_losses=res.get("step_losses"), profile=res.get("profile"), peak_gib_per_rank=[m / 1024 for m in res.get("peak_mib_per_rank", [])],
+               step_losses=res.get("step_losses"), profile=res.get("profile"), twin_live=res.get("live_at_peak"),
+               peak_gib_per_rank=[m / 1024 for m in res.get("peak_mib_per_rank", [])],
                **{f"{phase}_peak_gib": max(s.get(f"{phase}_peak_mib", 0) for s in steps) / 1024
                   for phase in ("fwd_bwd", "optimizer", "forward", "backward")})
     return row
+
+
+# ---------------------------------------------------------------------------------------------- the CPU memory twin
+# A GPU run's allocated memory is a sum of products of two of (tokens, hidden, intermediate, vocab, LoRA rank) -- weights,
+# their gradients and Adam states, activations, logits -- so a run with each of them divided by s allocates 1/s^2 of
+# it, op for op. On the CPU that run is cheap and every allocation can be seen (torch.profiler's memory events): its
+# peak times s^2 predicts the GPU's ``max_memory_allocated`` and its live set says what the peak is made of. Sizes
+# the package fixes in bytes or rows are divided too (:func:`twin_setup`), so the twin takes the GPU run's
+# code paths, and dropout keeps CUDA's bool mask. bench/RESULTS.md section 12 checks it against H200 runs.
+TWIN_ENV = "LF_BENCH_TWIN"  # the twin's s, in a launched run's environment
+TWIN_SIZES = (  # (module, constant, power of s it is divided by)
+    ("ops.triton_common", "FAST_CHUNK_ROWS", 1), ("ops.triton_common", "FAST_CHUNK_MAX_BYTES", 2),
+    ("ops.triton_common", "MAX_SLAB", 1), ("ops.triton_lean", "DEFAULT_MEM_BUDGET", 2),
+    ("ops.triton_lean", "MIN_TILE", 1), ("ops.triton_lean", "MAX_ROWS", 1), ("ops.triton_lean", "TILE_CHARGE", 2),
+    ("ops.triton_rows", "FAST_STORE_MAX_BYTES", 2), ("losses", "ROW_CHUNK_BYTES", 2), ("guard", "BUDGET", 1))
+
+
+def twin_spec(spec: dict, s: int) -> dict:
+    """``spec`` (a ``MODELS`` value) with hidden, intermediate, vocabulary and head counts divided by ``s`` (the head
+    dimension stays: attention's terms then scale like the rest)."""
+    out = dict(spec)
+    for key in ("hidden_size", "intermediate_size", "vocab_size", "num_attention_heads", "num_key_value_heads"):
+        out[key] = max(1, spec[key] // s)
+    return out
+
+
+def twin_setup(s: int) -> list:
+    """In a twin's training process: divide the package's absolute sizes (``TWIN_SIZES``) by ``s`` (or s^2), and
+    make dropout keep a bool mask as CUDA's fused kernel does (the CPU's ``F.dropout`` keeps it in the input's dtype:
+    4x the bytes for v1's fp32 LoRA inputs). Returns what was done, ``[name=value]``."""
+    import importlib
+
+    import torch
+
+    done = []
+    for module, name, power in TWIN_SIZES:
+        mod = importlib.import_module(f"llamafactory_liger_fsdp.{module}")
+        setattr(mod, name, max(1, getattr(mod, name) // s**power))
+        done.append(f"{module}.{name}={getattr(mod, name)}")
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        return torch.native_dropout(input, p, training)[0] if training and p > 0 else input
+
+    torch.nn.functional.dropout = dropout
+    done.append("F.dropout=native_dropout (bool mask)")
+    return done
+
+
+class AllocationTimeline:
+    """The CPU allocations of a run profiled with ``torch.profiler.profile(profile_memory=True)``: live bytes over
+    time, the peak inside a window, and what is live at it, each allocation named by the ops around it (its op, and
+    the nearest FSDP / optimizer / autograd-function / ``## marker`` scope). Exact allocated bytes: what
+    ``torch.cuda.max_memory_allocated`` counts on a GPU, less its 512-byte rounding, and less the copies only a CPU
+    makes (``llamafactory_liger_fsdp.ops.upcast``)."""
+
+    SCOPES = ("FSDP::", "Optimizer.", "## ", "autograd::engine::evaluate_function: ")
+
+    def __init__(self, prof) -> None:
+        import torch
+
+        from llamafactory_liger_fsdp.ops import upcast
+
+        alloc_type = torch._C._profiler._EventType.Allocation
+        events, self.marks, stack = [], [], [(e, False) for e in prof.profiler.kineto_results.experimental_event_tree()]
+        while stack:
+            e, cpu_only = stack.pop()
+            cpu_only = cpu_only or e.name == upcast.SCOPE
+            stack.extend((c, cpu_only) for c in e.children)
+            if e.typed[0] != alloc_type:
+                if e.name.startswith("## ") or e.name.startswith("Optimizer.step"):
+                    self.marks.append((e.name, e.start_time_ns, e.end_time_ns))
+                continue
+            f = e.typed[1]
+            events.append((e.start_time_ns, f.alloc_size, f.ptr, self._label(e) if f.alloc_size > 0 else "", cpu_only))
+        events.sort(key=lambda ev: ev[0])
+        self.marks.sort(key=lambda m: m[1])
+        # the CPU-only fp32 operand copies (ops/upcast.py) and their frees are left out: a GPU makes none
+        self.events, skipped = [], set()
+        for t, n, ptr, label, cpu_only in events:
+            if n > 0 and cpu_only:
+                skipped.add(ptr)
+            elif n < 0 and ptr in skipped:
+                skipped.discard(ptr)
+            else:
+                self.events.append((t, n, ptr, label))
+
+    def _label(self, e) -> str:
+        op, scope = e.parent.name if e.parent is not None else "?", None
+        p = e.parent
+        while p is not None and scope is None:
+            name = p.name
+            if name.startswith(self.SCOPES) or ("::" not in name and p is not e.parent and not name.startswith("<")):
+                scope = name.replace("autograd::engine::evaluate_function: ", "backward ")
+            p = p.parent
+        return f"{scope} | {op}" if scope else op
+
+    def windows(self, name: str) -> list:
+        """(start, end) of every marker or optimizer step named ``name`` (prefix), in time order."""
+        return [(t0, t1) for n, t0, t1 in self.marks if n.startswith(name)]
+
+    def peak(self, t0: int = 0, t1: int = 2**63) -> tuple:
+        """(peak live bytes within [t0, t1], the time it was reached)."""
+        live, best = 0, (0, t0)
+        for t, n, _, _ in self.events:
+            if t > t1:
+                break
+            live += n
+            if t >= t0 and live > best[0]:
+                best = (live, t)
+        return best
+
+    def live_at(self, when: int, top: int = 10) -> list:
+        """The largest groups (same label and size) live at time ``when``: ``[(label, bytes each, count)]``."""
+        live = {}
+        for t, n, ptr, label in self.events:
+            if t > when:
+                break
+            if n > 0:
+                live[ptr] = (label, n)
+            else:
+                live.pop(ptr, None)
+        groups = {}
+        for label, n in live.values():
+            groups[(label, n)] = groups.get((label, n), 0) + 1
+        return sorted(((label, n, c) for (label, n), c in groups.items()), key=lambda g: -g[1] * g[2])[:top]
+
+
+def twin_peaks(timeline: AllocationTimeline, steps: list) -> list:
+    """Each step's CPU peaks into ``steps`` (dicts in step order): ``peak_mib`` (the step, between its ``## step``
+    marks), ``forward_peak_mib`` (its ``## forward`` marks: the trainer's loss call), ``backward_peak_mib`` (from
+    there to the optimizer step), ``optimizer_peak_mib``; returns the groups live at the highest step peak
+    (``[{label, each_mib, count}]``)."""
+    forwards, opts = timeline.windows("## forward"), timeline.windows("Optimizer.step")
+    best = (0, 0)
+    for step, (t0, t1) in zip(steps, timeline.windows("## step")):
+        peak, when = timeline.peak(t0, t1)
+        step["peak_mib"] = peak / 2**20
+        fwd = [w for w in forwards if t0 <= w[0] <= t1]
+        opt = [w for w in opts if t0 <= w[0] <= t1]
+        if fwd and opt:
+            step["forward_peak_mib"] = timeline.peak(fwd[0][0], fwd[-1][1])[0] / 2**20
+            step["backward_peak_mib"] = timeline.peak(fwd[-1][1], opt[0][0])[0] / 2**20
+            step["optimizer_peak_mib"] = timeline.peak(opt[0][0], opt[-1][1])[0] / 2**20
+        best = max(best, (peak, when))
+    return [{"label": label, "each_mib": n / 2**20, "count": c} for label, n, c in timeline.live_at(best[1], top=14)]
 
 
 def main() -> None:

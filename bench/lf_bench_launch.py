@@ -18,7 +18,11 @@ and the failure being reproduced is in the fused loss alone.
 
 ``LF_BENCH_COMPUTE_DTYPE=1``: every trainable parameter cast to the compute dtype right after LLaMA-Factory's
 ``load_model`` (sft, dpo and kto workflows; ``precision.to_compute_dtype``), the line ``[lf_bench] compute dtype:``
-says what was cast -- the same-dtype-policy baselines under ZeRO-3."""
+says what was cast -- the same-dtype-policy baselines under ZeRO-3.
+
+``LF_BENCH_TWIN=s`` (bench/common.py's CPU memory twin): the package's size constants divided by s, the run profiled
+for its CPU allocations; each step's ``peak_mib`` and phase peaks are then allocated CPU memory (common.twin_peaks),
+and result.json gains ``live_at_peak``."""
 
 import json
 import os
@@ -26,7 +30,10 @@ import sys
 import time
 
 import torch
+from torch.autograd.profiler import record_function
 from transformers import TrainerCallback
+
+from common import TWIN_ENV, AllocationTimeline, twin_setup, twin_peaks
 
 
 def _sync():
@@ -44,6 +51,7 @@ def _peak_mib(reset=False):
 
 
 PHASES: dict = {}  # forward / backward peaks of the current step (see main)
+FORWARD: list = []  # the open "## forward" mark of the current micro-batch
 
 
 def _profile_table(prof, step, top=30):
@@ -70,6 +78,7 @@ class BenchCallback(TrainerCallback):
         self.step_losses = []
         self.run_peak = 0.0
         self.phase = {}
+        self.twin_prof = None  # LF_BENCH_TWIN: the run's allocation profile
 
     def on_step_begin(self, args, state, control, **kw):
         if int(os.environ.get("LF_BENCH_PROFILE_STEP", "0") or 0) == state.global_step + 1:
@@ -80,6 +89,8 @@ class BenchCallback(TrainerCallback):
         self.run_peak = max(self.run_peak, _peak_mib(reset=True))
         self.phase = {}
         PHASES.clear()
+        self.mark = record_function("## step")  # the twin's step window
+        self.mark.__enter__()
         self.t0 = time.perf_counter()
         self.micro_losses.clear()
 
@@ -97,6 +108,7 @@ class BenchCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):
         _sync()
+        self.mark.__exit__(None, None, None)
         elapsed = time.perf_counter() - self.t0
         self.run_peak = max(self.run_peak, _peak_mib())
         self.steps.append({"s": elapsed, "peak_mib": self.run_peak, **self.phase,
@@ -114,6 +126,10 @@ class BenchCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kw):
         import torch.distributed as dist
 
+        live = None
+        if self.twin_prof is not None:  # the CPU peaks replace the (zero) CUDA ones
+            self.twin_prof.__exit__(None, None, None)
+            live = twin_peaks(AllocationTimeline(self.twin_prof), self.steps)
         mine = {"step_losses": self.step_losses, "peak_mib": max((s["peak_mib"] for s in self.steps), default=0.0)}
         every = [mine]
         if dist.is_available() and dist.is_initialized():
@@ -123,6 +139,7 @@ class BenchCallback(TrainerCallback):
             n = min(len(r["step_losses"]) for r in every)
             with open(self.out, "w") as f:
                 json.dump({"steps": self.steps, "losses": self.losses, "profile": getattr(self, "profile", None),
+                           "live_at_peak": live,
                            "step_losses": [sum(r["step_losses"][i] for r in every) / len(every) for i in range(n)],
                            "peak_mib_per_rank": [r["peak_mib"] for r in every]}, f)
 
@@ -170,17 +187,24 @@ def main():
     training_step = transformers.trainer.Trainer.training_step
 
     def recording_step(self, *args, **kwargs):
+        FORWARD.append(record_function("## forward"))  # the twin's forward window: to the backward call
+        FORWARD[-1].__enter__()
         loss = training_step(self, *args, **kwargs)
         micro.append(float(loss.detach().float()))
         return loss
 
     transformers.trainer.Trainer.training_step = recording_step
+    twin = int(os.environ.get(TWIN_ENV, "0") or 0)
+    if twin:
+        print(f"[lf_bench] twin 1/{twin}: {', '.join(twin_setup(twin))}", flush=True)
     # split the forward+backward peak: forward (to the loss) vs backward (accelerator.backward)
     import accelerate
 
     backward = accelerate.Accelerator.backward
 
     def timed_backward(self, loss, **kwargs):
+        while FORWARD:
+            FORWARD.pop().__exit__(None, None, None)
         PHASES["forward_peak_mib"] = max(PHASES.get("forward_peak_mib", 0.0), _peak_mib(reset=True))
         out = backward(self, loss, **kwargs)
         PHASES["backward_peak_mib"] = max(PHASES.get("backward_peak_mib", 0.0), _peak_mib(reset=True))
@@ -193,7 +217,12 @@ def main():
         _compute_dtype()
     from llamafactory.train.tuner import run_exp
 
-    run_exp(callbacks=[BenchCallback(out, micro)])
+    callback = BenchCallback(out, micro)
+    if twin:  # stopped and read in on_train_end (a CPU test shim may end the process at LLaMA-Factory's teardown)
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        callback.twin_prof = torch.profiler.profile(activities=cpu, profile_memory=True)
+        callback.twin_prof.__enter__()
+    run_exp(callbacks=[callback])
 
 
 if __name__ == "__main__":

@@ -9,11 +9,15 @@ checkpointing, normal batching): one sample of ``--cutoff`` tokens a step (answe
 ``torchrun bench/v1_launch.py``; tokens/s = the step's tokens / its time, median over the steps after the first.
 
     python bench/v1_h200.py [--variants plain,plain-head,plugin,plugin-head(,plugin-head-lean)] [--runs 2] [--steps 5] [--cutoff 16384]
-                            [--out bench/results/h200_v1.json] [--deadline 540] [--smoke]
+                            [--out bench/results/h200_v1.json] [--deadline 540] [--smoke | --twin S]
 
 Run r plays the variants in order on even r and reversed on odd r. --deadline S: no run starts that would end (by the
 longest run so far) more than S s after the start. --smoke: CPU plumbing check (the tiny local model, fp32, cutoff 128,
 gloo, the test-only shim for v1's step-end synchronize on a CUDA build of torch; a temp JSON unless --out is given).
+--twin S: the CPU memory twin of the H200 run (bench/common.py): hidden, intermediate, vocabulary, heads, tokens and
+LoRA rank divided by S, bf16 and checkpointing as on the GPU, the Triton kernels interpreted with the backend the GPU
+picks (``triton_fast``), gloo; each row's ``peak_gib`` is the CPU peak times S^2 (the H200 prediction), phases and the
+live allocations at the peak likewise; rows to bench/results/cpu_twin_v1.json; no tokens/s.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ import sys
 import tempfile
 import time
 
-from common import (MAKE_ASSETS, MODELS, ROOT, append_row, build, card, error_line, filling_words, log_line, now,
-                    versions)
+from common import (MAKE_ASSETS, MODELS, ROOT, TWIN_ENV, append_row, build, card, error_line, filling_words, log_line,
+                    now, twin_spec, versions)
 
 HEAD_ONLY = ["lm_head"]
 SEED = ["lm_head", "embed_tokens"]
@@ -41,12 +45,17 @@ VARIANTS = {  # name -> (kernel_config or None, modules_to_save)
 }
 
 
-def assets(work: str, smoke: bool, cutoff: int) -> tuple[str, str]:
-    """(model dir, v1 dataset yaml): the real-head model with long answers, or the tiny CPU assets."""
+def assets(work: str, smoke: bool, cutoff: int, twin: int = 0) -> tuple[str, str]:
+    """(model dir, v1 dataset yaml): the real-head model with long answers (or its twin, built on the CPU), or the
+    tiny CPU assets."""
     if smoke:
         mdir = os.path.join(work, "tiny")
         if not os.path.exists(os.path.join(mdir, "model", "config.json")):
             subprocess.run([sys.executable, MAKE_ASSETS, mdir], check=True, capture_output=True)
+    elif twin:
+        words = filling_words(cutoff // twin)
+        mdir = build(work, f"llama3-8b-2l-{cutoff}-twin{twin}", twin_spec(MODELS["llama3-8b"], twin), 2, rows=24,
+                     answer_words=(words, words + 50), max_position=max(32768, 2 * cutoff), seed=0, device="cpu")
     else:  # answers that fill a sample
         words = filling_words(cutoff)
         mdir = build(work, f"llama3-8b-2l-{cutoff}", MODELS["llama3-8b"], 2, rows=24, answer_words=(words, words + 500),
@@ -61,12 +70,16 @@ def assets(work: str, smoke: bool, cutoff: int) -> tuple[str, str]:
 def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
     kernel, mts = VARIANTS[variant]
     out = os.path.join(work, tag)
-    cfg = dict(model=model, train_dataset=data, output_dir=out, micro_batch_size=1, cutoff_len=args.cutoff,
+    s = args.twin or 1
+    cfg = dict(model=model, train_dataset=data, output_dir=out, micro_batch_size=1, cutoff_len=args.cutoff // s,
                max_steps=args.steps, learning_rate=1e-4, logging_steps=1, batching_workers=0,
-               dist_config={"name": "fsdp2"}, peft_config={"name": "lora", "r": 16, "lora_alpha": 32,
-                                                           "target_modules": "all", "modules_to_save": mts})
+               dist_config={"name": "fsdp2"},
+               peft_config={"name": "lora", "r": max(1, 16 // s), "lora_alpha": max(1, 32 // s), "target_modules": "all",
+                            "modules_to_save": mts})
     if kernel:
-        cfg["kernel_config"] = kernel
+        cfg["kernel_config"] = dict(kernel)
+        if args.twin:  # the backend the GPU's auto picks
+            cfg["kernel_config"].setdefault("liger_fsdp_backend", "triton_fast")
     if args.smoke:
         cfg.update(bf16=False, enable_activation_checkpointing=False)
     path, result = out + ".yaml", out + ".json"
@@ -75,9 +88,11 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
     if os.path.exists(result):
         os.remove(result)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if args.smoke:
+    if args.smoke or args.twin:
         env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(
             [os.path.join(ROOT, "tests", "cpu_v1_shim"), env.get("PYTHONPATH", "")]))
+    if args.twin:
+        env.update({TWIN_ENV: str(args.twin), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": str(os.cpu_count() or 1)})
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
@@ -95,11 +110,21 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
     if proc.returncode != 0 or not os.path.exists(result):
         row.update(fits=False, error=error_line(log) or log[-400:])
         return row
-    steps = json.load(open(result))["steps"]
-    rates = [s["tokens"] / s["s"] for s in steps[1:] or steps]
-    row.update(fits=True, tokens_per_s=statistics.median(rates), tokens_per_step=steps[-1]["tokens"],
-               step_s=statistics.median(s["s"] for s in steps[1:] or steps), step_times=[s["s"] for s in steps],
-               peak_gib=max(s["peak_mib"] for s in steps) / 1024, step_losses=[s["loss"] for s in steps])
+    res = json.load(open(result))
+    steps = res["steps"]
+    row.update(fits=True, peak_gib=max(st["peak_mib"] for st in steps) / 1024 * s**2,
+               step_losses=[st["loss"] for st in steps])
+    if args.twin:  # predictions: CPU bytes times s^2
+        row.update(twin=s, tokens_per_step=steps[-1]["tokens"], cpu_peak_mib=max(st["peak_mib"] for st in steps),
+                   twin_constants=res.get("twin_constants"),
+                   **{f"{ph}_peak_gib": max(st.get(f"{ph}_peak_mib", 0) for st in steps) / 1024 * s**2
+                      for ph in ("forward", "backward", "optimizer")},
+                   live_at_peak=[dict(label=g["label"], count=g["count"], each_gib=g["each_mib"] / 1024 * s**2)
+                                 for g in res.get("live_at_peak", [])])
+        return row
+    rates = [st["tokens"] / st["s"] for st in steps[1:] or steps]
+    row.update(tokens_per_s=statistics.median(rates), tokens_per_step=steps[-1]["tokens"],
+               step_s=statistics.median(st["s"] for st in steps[1:] or steps), step_times=[st["s"] for st in steps])
     return row
 
 
@@ -114,16 +139,17 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=540.0)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--twin", type=int, default=0, help="the CPU memory twin at this scale (8: 1/64 of the memory)")
     args = ap.parse_args()
     if args.smoke:
-        args.cutoff, args.steps = min(args.cutoff, 128), min(args.steps, 2)
+        args.cutoff, args.steps, args.twin = min(args.cutoff, 128), min(args.steps, 2), 0
     out = args.out or (os.path.join(args.work, "smoke.json") if args.smoke else
-                       os.path.join(ROOT, "bench", "results", "h200_v1.json"))
+                       os.path.join(ROOT, "bench", "results", "cpu_twin_v1.json" if args.twin else "h200_v1.json"))
     os.makedirs(args.work, exist_ok=True)
-    model, data = assets(args.work, args.smoke, args.cutoff)
+    model, data = assets(args.work, args.smoke, args.cutoff, args.twin)
     start, longest = time.time(), 0.0
     variants = args.variants.split(",")
-    meta = {"date": now(), "card": card(), "versions": versions(), "smoke": args.smoke}
+    meta = {"date": now(), "card": "cpu" if args.twin else card(), "versions": versions(), "smoke": args.smoke}
     print(f"{'run':>3} {'variant':12} {'fits':>5} {'tokens/s':>10} {'peak GiB':>9}  step-1 loss")
     for r in range(args.runs):
         for variant in (variants if r % 2 == 0 else variants[::-1]):
@@ -137,6 +163,11 @@ def main() -> None:
             loss = row.get("step_losses", [None])[0]
             print(f"{r:>3} {variant:12} {str(row['fits']):>5} {row.get('tokens_per_s', 0):>10.0f} "
                   f"{row.get('peak_gib', 0):>9.2f}  {loss if loss is not None else row.get('error', '')}")
+            if row.get("live_at_peak"):  # the twin: the prediction's phases and what it is made of
+                print("      phases (GiB): " + ", ".join(f"{ph} {row[f'{ph}_peak_gib']:.2f}"
+                                                       for ph in ("forward", "backward", "optimizer")))
+                for g in row["live_at_peak"]:
+                    print(f"      {g['each_gib'] * g['count']:7.2f} GiB = {g['count']:>3} x {g['each_gib']:.3f}  {g['label']}")
     print(f"rows appended to {out}")
 
 

@@ -8,15 +8,24 @@ the step (reset at each step's start; 0 on the CPU), the step loss v1 logs (unro
 micro-batches hold (``attention_mask`` != 0, counted in ``compute_loss``). v1's final ``save_model`` is skipped
 (benchmark only). The plugin is active the way it is for ``llamafactory-cli``: its ``.pth`` (or the activation
 directory on ``PYTHONPATH``) hooks v1's modules as they load.
+
+With ``LF_BENCH_TWIN=s`` in the environment (bench/common.py's CPU memory twin) the package's size constants are
+divided by s, the whole run is profiled for its CPU allocations, and each step's ``peak_mib`` is the peak of allocated
+CPU memory in it, with its phases and the live allocations at the run's peak (``live_at_peak``; common.twin_peaks).
 """
 
+import contextlib
 import inspect
 import json
+import os
 import sys
 import time
 
 import torch
 import yaml
+from torch.autograd.profiler import record_function
+
+from common import TWIN_ENV, AllocationTimeline, twin_setup, twin_peaks
 
 
 def main() -> None:
@@ -37,7 +46,8 @@ def main() -> None:
     class Timed(Trainer):
         def compute_loss(self, batch):
             tokens[0] += int((batch["attention_mask"] != 0).sum())
-            return super().compute_loss(batch)
+            with record_function("## forward"):
+                return super().compute_loss(batch)
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, **kwargs):
@@ -45,28 +55,38 @@ def main() -> None:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             tokens[0] = 0
+            self.mark = record_function("## step")
+            self.mark.__enter__()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, **kwargs):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            self.mark.__exit__(None, None, None)
             peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
             steps.append({"s": time.perf_counter() - self.t0, "peak_mib": peak, "loss": float(state.loss),
                           "tokens": tokens[0]})
 
+    twin = int(os.environ.get(TWIN_ENV, "0") or 0)
+    extra = {"twin_constants": twin_setup(twin)} if twin else {}
+    profiler = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+                if twin else contextlib.nullcontext())
     with open(cfg_path, encoding="utf-8") as f:
         model_args, data_args, training_args, _ = get_args(yaml.safe_load(f))
     # 0.9.5 builds it from the dist_config, git main from the training arguments (as their run_sft do)
     takes_args = "training_args" in inspect.signature(DistributedInterface.__init__).parameters
     DistributedInterface(training_args if takes_args else training_args.dist_config)
-    dataset = DataEngine(data_args.train_dataset)
-    engine = ModelEngine(model_args, is_train=True)
-    trainer = Timed(args=training_args, model=engine.model, renderer=engine.renderer, train_dataset=dataset,
-                    callbacks=[Timer()])
-    trainer.fit()
+    with profiler:
+        dataset = DataEngine(data_args.train_dataset)
+        engine = ModelEngine(model_args, is_train=True)
+        trainer = Timed(args=training_args, model=engine.model, renderer=engine.renderer, train_dataset=dataset,
+                        callbacks=[Timer()])
+        trainer.fit()
+    if twin:
+        extra["live_at_peak"] = twin_peaks(AllocationTimeline(profiler), steps)
     if DistributedInterface().get_rank() == 0:
         with open(out_path, "w") as f:
-            json.dump({"steps": steps}, f)
+            json.dump({"steps": steps, **extra}, f)
     DistributedInterface().destroy()
 
 

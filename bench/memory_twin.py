@@ -1,0 +1,112 @@
+"""The CPU memory twin of the H200's LLaMA-Factory runs (bench/common.py, "the CPU memory twin"): the peak a GPU run
+would reach, by phase, and what it is made of -- on this machine's CPU, no GPU.
+
+    python bench/memory_twin.py [--scale 8] [--layers 2] [--cutoff 16384] [--steps 3] [--stage sft|dpo]
+                                [--variants plain,liger_fsdp,liger_fsdp_fast] [--out bench/results/cpu_twin.json]
+
+Each run is bench/common.py's ``run`` (the seed's adapter, packing, bf16, gradient checkpointing, FSDP2 at world size
+1) on the twin of the Llama-3-8B shape at ``--layers`` layers: hidden, intermediate, vocabulary, heads, tokens
+(``--cutoff / s``) and LoRA rank divided by ``s``, random weights; FSDP2 on one CPU rank through the test shim
+(accelerate alone would train DDP on a CPU), the Triton kernels interpreted. ``liger_fsdp_auto`` runs ``triton_fast``
+(what ``auto`` picks on CUDA); Liger's own kernels do not run under the interpreter, so its variants are not
+offered. ``--stage dpo``: pairs of ``--cutoff`` tokens a side, sigmoid, the reference = the adapter disabled (as
+bench/depth_dpo_vlm_h200.py).
+
+Rows (``twin``: s, ``card``: "cpu") carry the H200 keys as predictions -- ``peak_gib`` and the phase peaks are CPU
+bytes times s^2 -- and ``live_at_peak`` (the largest allocations live at the run's peak, GiB each after scaling). The
+table prints the H200 row of the same setup beside each prediction where bench/results has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+from common import (MODELS, ROOT, TWIN_ENV, VARIANTS, append_row, build, load_rows, now, run, twin_spec,
+                    versions)
+
+OFFERED = ("plain", "liger_fsdp", "liger_fsdp_fast", "liger_fsdp_auto", "liger_fsdp_noguard")
+# H200 rows measured in the same setup (file, how to pick the row), for the table
+MEASURED = {("sft", 2): ("h200_sft_phases.json", lambda r, v, c: r.get("variant") == v
+                         and r.get("tokens_per_gpu_step") == c and r.get("nproc") == 1),
+            ("sft", 32): ("h200_depth.json", lambda r, v, c: r.get("variant") == {"liger_fsdp_fast": "plugin"}.get(
+                          v, v) and r.get("cutoff") == c and r.get("sharding") == "fsdp2" and "part" not in r),
+            ("dpo", 32): ("h200_depth.json", lambda r, v, c: r.get("part") == "dpo" and r.get("cutoff") == c
+                          and r.get("variant") == {"liger_fsdp_fast": "plugin"}.get(v, v))}
+DPO = dict(stage="dpo", dataset="tiny_pairs", pref_beta=0.1, pref_loss="sigmoid", packing=False, learning_rate=1e-6)
+
+
+def measured(stage: str, layers: int, variant: str, cutoff: int) -> float | None:
+    """The H200's peak (GiB) of the same setup, if a row of bench/results has it (first run)."""
+    key = MEASURED.get((stage, layers))
+    if key is None:
+        return None
+    rows = [r for r in load_rows(os.path.join(ROOT, "bench", "results", key[0])) if key[1](r, variant, cutoff)]
+    return rows[0].get("peak_gib") if rows else None
+
+
+def twin_run(mdir: str, spec: dict, variant: str, args) -> dict:
+    s = args.scale
+    overrides = {"lora_rank": max(1, 16 // s), "cutoff_len": args.cutoff // s, "preprocessing_num_workers": 1,
+                 "use_cpu": True}
+    if args.stage == "dpo":
+        overrides.update(DPO)
+    if variant == "liger_fsdp_auto" or (variant != "plain" and "liger_fsdp_backend" not in VARIANTS[variant]):
+        overrides["liger_fsdp_backend"] = "triton_fast"
+    shim = os.path.join(ROOT, "tests", "cpu_fsdp_shim")  # accelerate alone would train DDP on a CPU
+    env = {TWIN_ENV: str(s), "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(os.cpu_count()),
+           "PYTHONPATH": os.pathsep.join([shim, os.environ.get("PYTHONPATH", "")])}
+    row = run(mdir, spec, variant, args.steps, args.work, cutoff=args.cutoff // s, overrides=overrides, env=env,
+              tag=f"twin{s}_{args.stage}_L{args.layers}_{args.cutoff}_{variant}", timeout=args.timeout)
+    row.update(twin=s, stage=args.stage, layers=args.layers, cutoff=args.cutoff, card="cpu", date=now(),
+               versions=versions())
+    if "error" in row:
+        return row
+    for key in ("peak_gib", "forward_peak_gib", "backward_peak_gib", "optimizer_peak_gib", "fwd_bwd_peak_gib",
+                "step1_peak_gib"):
+        row[key] = row.get(key, 0.0) * s**2
+    row["live_at_peak"] = [dict(label=g["label"], count=g["count"], each_gib=g["each_mib"] / 1024 * s**2)
+                           for g in row.pop("twin_live", None) or []]
+    for key in ("tokens_per_s", "tokens_per_s_per_gpu", "step_s", "step_times", "profile"):
+        row.pop(key, None)  # CPU times say nothing about a GPU
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scale", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--cutoff", type=int, default=16384, help="the GPU run's tokens (the twin runs cutoff / scale)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--stage", choices=["sft", "dpo"], default="sft")
+    ap.add_argument("--variants", default="plain,liger_fsdp,liger_fsdp_fast")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "cpu_twin.json"))
+    ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "memory_twin"))
+    ap.add_argument("--timeout", type=float, default=1800.0)
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in OFFERED]
+    if unknown:
+        ap.error(f"--variants: {unknown} not offered (the interpreter runs {', '.join(OFFERED)})")
+    os.makedirs(args.work, exist_ok=True)
+    spec = twin_spec(MODELS["llama3-8b"], args.scale)
+    mdir = build(args.work, f"llama3-8b-L{args.layers}-twin{args.scale}", spec, args.layers, rows=400,
+                 max_position=max(32768, 2 * args.cutoff), seed=0, device="cpu")
+    print(f"{'variant':18} {'predicted GiB':>13} {'H200 GiB':>9} {'forward':>8} {'backward':>8} {'optimizer':>9}")
+    for variant in variants:
+        row = twin_run(mdir, spec, variant, args)
+        append_row(args.out, row)
+        if "error" in row:
+            print(f"{variant:18} error: {row['error']}")
+            continue
+        h200 = measured(args.stage, args.layers, variant, args.cutoff)
+        print(f"{variant:18} {row['peak_gib']:>13.2f} {h200 if h200 is not None else '-':>9} "
+              f"{row['forward_peak_gib']:>8.2f} {row['backward_peak_gib']:>8.2f} {row['optimizer_peak_gib']:>9.2f}")
+        for g in row["live_at_peak"][:8]:
+            print(f"      {g['each_gib'] * g['count']:7.2f} GiB = {g['count']:>3} x {g['each_gib']:.3f}  {g['label']}")
+    print(f"rows appended to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
