@@ -77,6 +77,9 @@ def engage(model: nn.Module, config: LigerFsdpConfig | None = None, *, backend: 
         if not heads.base.is_shared(causal_lm, gather.param(module)):
             wrapping.mark_unit(module)
             marked.append(path)
+    for path in wrapping.idle_originals(causal_lm):  # never gathered in a training step as units of their own
+        wrapping.mark_unit(causal_lm.get_submodule(path))
+        marked.append(path)
     seam = HeadLoss(causal_lm, head, family, cfg.backend)
     forward = make_forward(causal_lm, seam, ForwardState(cfg, request_only))
     causal_lm.__dict__[ATTR] = Engaged(head, family, cfg, tuple(marked), seam)

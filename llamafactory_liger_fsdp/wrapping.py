@@ -8,8 +8,10 @@ code that shards by hand. Tagged modules are leaves holding one weight each, so 
 uniform-``requires_grad`` rule holds with ``use_orig_params=False``.
 
 Why: inside the root unit the head would be gathered for the whole forward and backward; as its own
-unit it is gathered only while the loss runs (:mod:`.gather`). Correctness never depends on this,
-only memory. DeepSpeed needs no tagging: ZeRO-3 gathers per module already.
+unit it is gathered only while the loss runs (:mod:`.gather`). :func:`idle_originals` names the frozen originals of
+PEFT's ``modules_to_save`` wrappers, which training never calls: tagged too, FSDP never gathers them in a training
+step (in the root unit they were gathered in every forward and backward: a full V x H weight a rank, each). Correctness
+never depends on this, only memory. DeepSpeed needs no tagging: ZeRO-3 gathers per module already.
 """
 
 from __future__ import annotations
@@ -35,6 +37,26 @@ def unmark_unit(module: nn.Module) -> None:
 
 def is_marked(module: nn.Module) -> bool:
     return bool(module.__dict__.get(UNIT_ATTR, False))
+
+
+def idle_originals(model: nn.Module) -> list[str]:
+    """Paths of the ``original_module`` of every PEFT ``modules_to_save`` wrapper whose active copy is trained
+    (``additional_target: embed_tokens,lm_head``): frozen, called only under ``disable_adapter()`` (a DPO reference
+    pass); plain ``nn.Linear`` / ``nn.Embedding`` modules whose weight nothing else shares."""
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    out = []
+    for name, module in model.named_modules():
+        if not thirdparty.is_modules_to_save(module) or module.disable_adapters:
+            continue
+        original = getattr(module, "original_module", None)
+        if type(original) not in (nn.Linear, nn.Embedding) or not original.weight.is_floating_point():
+            continue
+        trained = any(p.requires_grad for p in module.modules_to_save.parameters())
+        if trained and not any(p.requires_grad or counts[id(p)] > 1 for p in original.parameters()):
+            out.append(f"{name}.original_module")
+    return out
 
 
 def has_marked_units(model: nn.Module) -> bool:
