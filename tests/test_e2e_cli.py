@@ -58,6 +58,28 @@ def test_fsdp2_two_ranks(assets, tmp_path, fsdp2_plain):
     assert tuple(head_w.shape) == (384, 64)  # the full head, not a shard
 
 
+def test_fsdp2_bf16_frozen_weights_stay_16bit(assets, tmp_path):
+    """bf16 mixed precision: accelerate's FSDP2 preparation upcasts every parameter to fp32; with the plugin the frozen
+    ones go back to bf16 (one line says so) and the run's losses are the plain bf16 run's (bf16 rounding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "model_bf16"  # saved in bf16, so LLaMA-Factory loads it in bf16 (as a real checkpoint)
+    AutoModelForCausalLM.from_pretrained(assets / "model", dtype=torch.bfloat16).save_pretrained(model_dir)
+    for f in (assets / "model").iterdir():
+        if "token" in f.name or f.name.endswith(".jinja"):
+            (model_dir / f.name).write_bytes(f.read_bytes())
+    bf16 = dict(FSDP2, bf16=True, use_cpu=True, model_name_or_path=str(model_dir))
+    rc, log, plain = run_cli(base_yaml(assets, tmp_path / "plain", **bf16), nproc=2)
+    assert rc == 0, log[-6000:]
+    rc, log, fused = run_cli(base_yaml(assets, tmp_path / "fused", liger_fsdp=True, **bf16), nproc=2)
+    assert rc == 0, log[-6000:]
+    said = [l for l in log.splitlines() if "[liger_fsdp] FSDP2:" in l]
+    assert len(said) == 1 and re.search(r"FSDP2: \d+ frozen parameter\(s\) kept in the dtype they were loaded in", said[0])
+    assert len(fused) == len(plain) == 6
+    assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(fused, plain)), (fused, plain)
+
+
 def test_fsdp1_two_ranks(assets, tmp_path, fsdp2_plain):
     out = tmp_path / "fsdp1_liger"
     rc, log, losses = run_cli(base_yaml(assets, out, liger_fsdp=True, **FSDP1), nproc=2, fsdp1=True)

@@ -1,12 +1,15 @@
-"""The accelerate patch of :mod:`.` : accelerate's FSDP1 or FSDP2 wrapping puts each tagged head module in its own
-unit (the function of this run's FSDP version only)."""
+"""The accelerate patches of :mod:`.` : accelerate's FSDP1 or FSDP2 wrapping puts each tagged head module in its own
+unit (the function of this run's FSDP version only); under FSDP2 its preparation leaves frozen parameters in the dtype
+they were loaded in (:func:`patch_frozen_dtype`)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from .. import _patch, wrapping
 from .._log import info_rank0
+
+GIB = 2**30
 
 
 def patch_wrap_policy(version: int | None) -> list[Callable[[], None]]:
@@ -46,3 +49,59 @@ def patch_wrap_policy(version: int | None) -> list[Callable[[], None]]:
         )
         return []
     return [] if patch is None else [lambda: _patch.undo(patch.owner, patch.name)]
+
+
+def _frozen_dtypes(model: Any) -> dict:
+    return {n: p.dtype for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()}
+
+
+def keep_frozen_dtype(model: Any, before: dict) -> tuple[int, int]:
+    """Cast back the frozen parameters that ``before`` (name -> dtype) saw in 16 bits and that are fp32 now (FSDP2's
+    ``_apply`` re-registers the shards); returns (parameters, bytes saved on this rank)."""
+    import torch
+
+    to = {id(p): before[n] for n, p in model.named_parameters()
+          if n in before and not p.requires_grad and p.dtype == torch.float32 and before[n].itemsize == 2}
+    if not to:
+        return 0, 0
+    local = [getattr(p, "_local_tensor", p) for p in model.parameters() if id(p) in to]
+    saved = sum(t.numel() * 2 for t in local)
+    with torch.no_grad():
+        model._apply(lambda t: t.to(to[id(t)]) if id(t) in to else t)
+    return len(to), saved
+
+
+def patch_frozen_dtype() -> list[Callable[[], None]]:
+    """accelerate's ``fsdp2_prepare_model`` upcasts every parameter to fp32 under mixed precision (fp32 master weights
+    for the optimizer). A frozen parameter is never updated, so its fp32 shard only doubles its memory -- the whole
+    frozen base model under LoRA. This patch casts those back to the dtype they were loaded in after the upcast: exact
+    (the values came from that dtype, and FSDP2 all-gathers them in its ``param_dtype`` either way); trainable
+    parameters keep accelerate's fp32."""
+    try:
+        from accelerate import accelerator as acc
+    except ImportError:  # pragma: no cover
+        return []
+    said = []
+
+    def make(original):
+        def fsdp2_prepare_model(accelerator, model, *args, **kwargs):
+            before = _frozen_dtypes(model)
+            model = original(accelerator, model, *args, **kwargs)
+            n, saved = keep_frozen_dtype(model, before)
+            if n and not said:
+                said.append(True)
+                info_rank0(f"[liger_fsdp] FSDP2: {n} frozen parameter(s) kept in the dtype they were loaded in "
+                           f"({saved / GIB:.2f} GiB less on this rank): accelerate's mixed precision upcasts every "
+                           "parameter to fp32, a frozen one is never updated.")
+            return model
+
+        return fsdp2_prepare_model
+
+    try:
+        _patch.require_params(getattr(acc, "fsdp2_prepare_model", None), ("accelerator", "model"),
+                              "fsdp2_prepare_model")
+        patch = _patch.apply(acc, "fsdp2_prepare_model", make, "FSDP2: frozen parameters stay in their loaded dtype")
+    except (_patch.PatchError, TypeError) as exc:
+        info_rank0(f"[liger_fsdp] warning: {exc}. Frozen parameters stay in accelerate's fp32 (memory only).")
+        return []
+    return [] if patch is None else [lambda: _patch.undo(acc, "fsdp2_prepare_model")]

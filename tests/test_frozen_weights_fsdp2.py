@@ -1,7 +1,11 @@
-"""The frozen originals of PEFT's ``modules_to_save`` wrappers (``additional_target: embed_tokens,lm_head``) become
-FSDP2 units of their own when the plugin engages (``wrapping.idle_originals``): a training step never gathers them (in the
-root unit they were gathered for every forward and backward), the loss and gradients stay the unsharded model's, and a
-reference pass under ``disable_adapter()`` (DPO) still reads them. One gloo rank in this process."""
+"""Frozen weights under FSDP2, one gloo rank in this process.
+
+* The frozen originals of PEFT's ``modules_to_save`` wrappers (``additional_target: embed_tokens,lm_head``) become
+  units of their own when the plugin engages (``wrapping.idle_originals``): a training step never gathers them (in the
+  root unit they were gathered for every forward and backward), the loss and gradients stay the unsharded model's,
+  and a reference pass under ``disable_adapter()`` (DPO) still reads them.
+* After accelerate's FSDP2 upcast to fp32, frozen shards go back to the dtype they were loaded in
+  (``integration.accelerate.keep_frozen_dtype``), bitwise the same step."""
 
 import copy
 
@@ -77,3 +81,36 @@ def test_fsdp2_never_gathers_them_in_a_training_step(group):
     # a reference pass (PEFT's disable_adapter, as LLaMA-Factory's DPO runs it) reads the originals through their units
     with torch.no_grad(), model.disable_adapter(), ref.disable_adapter():
         assert rel(model(**batch).loss, ref(**batch).loss) < 1e-5
+
+
+def test_frozen_weights_keep_their_dtype_after_accelerates_upcast(group):
+    """integration.accelerate.keep_frozen_dtype after accelerate's FSDP2 ``model.to(float32)``: frozen shards back in
+    bf16 (half the bytes), trainable ones fp32, and forward and backward bitwise those of the all-fp32 shards (FSDP2
+    computes in its bf16 param_dtype either way)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from llamafactory_liger_fsdp.integration.accelerate import _frozen_dtypes, keep_frozen_dtype
+
+    base = make_peft(make_model("llama", dtype=torch.bfloat16), "mts")
+    runs = []
+    for keep in (False, True):
+        model = copy.deepcopy(base)
+        before = _frozen_dtypes(model)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in causal_lm_of(model).model.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        model.to(torch.float32)  # what accelerate's fsdp2_prepare_model does under mixed precision
+        n, saved = keep_frozen_dtype(model, before) if keep else (0, 0)
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        trained = [p for p in model.parameters() if p.requires_grad]
+        assert {p.dtype for p in trained} == {torch.float32}
+        assert {p.dtype for p in frozen} == ({torch.bfloat16} if keep else {torch.float32})
+        if keep:
+            assert n == len(frozen) and saved == sum(p.to_local().numel() * 2 for p in frozen)
+        loss = model(**make_batch()).loss
+        loss.backward()
+        runs.append((loss.detach(), {name: p.grad.full_tensor() for name, p in model.named_parameters()
+                                     if p.requires_grad}))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1].keys() == runs[1][1].keys() and all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
