@@ -4,8 +4,8 @@ repository root: Python puts the script's own folder first on the module path, s
 imports torch at import time, so a caller that must not hold a CUDA context (bench/depth_h200.py) can use it.
 
 * paths: ``ROOT`` (the repository), ``MAKE_ASSETS`` (recipes/tiny_cpu/make_assets.py), ``MIB``
-* row fields: :func:`now` (UTC, seconds), :func:`versions` (package versions), :func:`card` (nvidia-smi's name, no
-  torch), :func:`gpu_meta` (the kernel benches' card / date / versions fields, through torch)
+* row fields: :func:`now` (UTC, seconds), :func:`versions` (package versions), :func:`commit` (this repository's),
+  :func:`card` (nvidia-smi's name, no torch), :func:`gpu_meta` (the kernel benches' card / date / versions fields, through torch)
 * JSON: :func:`dump_json` (atomic), :func:`load_rows` / :func:`save_rows` / :func:`append_row` (``{"rows": [...]}``;
   a bare list is read too)
 * GPU timing and inputs: :func:`cuda_ms`, :func:`matmul_tflops`, :func:`make_inputs` (hidden, head, labels of the
@@ -60,6 +60,18 @@ def versions() -> dict:
         except metadata.PackageNotFoundError:
             out[dist] = None
     return out
+
+
+def commit() -> str | None:
+    """The repository's commit (short), ``-dirty`` when the package has uncommitted changes; None outside git."""
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "llamafactory_liger_fsdp"],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (head + ("-dirty" if dirty else "")) or None
 
 
 def card() -> str:

@@ -23,8 +23,8 @@ import argparse
 import os
 import tempfile
 
-from common import (MODELS, ROOT, TWIN_ENV, VARIANTS, append_row, build, load_rows, now, run, twin_spec,
-                    versions)
+from common import (MODELS, ROOT, TWIN_ENV, VARIANTS, append_row, build, commit, filling_words, load_rows, now,
+                    run, twin_spec, versions)
 
 OFFERED = ("plain", "liger_fsdp", "liger_fsdp_fast", "liger_fsdp_auto", "liger_fsdp_noguard")
 # H200 rows measured in the same setup (file, how to pick the row), for the table
@@ -60,7 +60,7 @@ def twin_run(mdir: str, spec: dict, variant: str, args) -> dict:
     row = run(mdir, spec, variant, args.steps, args.work, cutoff=args.cutoff // s, overrides=overrides, env=env,
               tag=f"twin{s}_{args.stage}_L{args.layers}_{args.cutoff}_{variant}", timeout=args.timeout)
     row.update(twin=s, stage=args.stage, layers=args.layers, cutoff=args.cutoff, card="cpu", date=now(),
-               versions=versions())
+               versions=versions(), commit=commit())
     if "error" in row:
         return row
     for key in ("peak_gib", "forward_peak_gib", "backward_peak_gib", "optimizer_peak_gib", "fwd_bwd_peak_gib",
@@ -91,8 +91,9 @@ def main() -> None:
         ap.error(f"--variants: {unknown} not offered (the interpreter runs {', '.join(OFFERED)})")
     os.makedirs(args.work, exist_ok=True)
     spec = twin_spec(MODELS["llama3-8b"], args.scale)
-    mdir = build(args.work, f"llama3-8b-L{args.layers}-twin{args.scale}", spec, args.layers, rows=400,
-                 max_position=max(32768, 2 * args.cutoff), seed=0, device="cpu")
+    words = filling_words(args.cutoff // args.scale)  # an answer fills a sample (a DPO side; SFT packs them anyway)
+    mdir = build(args.work, f"llama3-8b-L{args.layers}-twin{args.scale}-{args.cutoff}", spec, args.layers, rows=64,
+                 answer_words=(words, words + 50), max_position=max(32768, 2 * args.cutoff), seed=0, device="cpu")
     print(f"{'variant':18} {'predicted GiB':>13} {'H200 GiB':>9} {'forward':>8} {'backward':>8} {'optimizer':>9}")
     for variant in variants:
         row = twin_run(mdir, spec, variant, args)

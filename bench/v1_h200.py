@@ -32,8 +32,8 @@ import sys
 import tempfile
 import time
 
-from common import (MAKE_ASSETS, MODELS, ROOT, TWIN_ENV, append_row, build, card, error_line, filling_words, log_line,
-                    now, twin_spec, versions)
+from common import (MAKE_ASSETS, MODELS, ROOT, TWIN_ENV, append_row, build, card, commit, error_line, filling_words,
+                    log_line, now, twin_spec, versions)
 
 HEAD_ONLY = ["lm_head"]
 SEED = ["lm_head", "embed_tokens"]
@@ -149,7 +149,8 @@ def main() -> None:
     model, data = assets(args.work, args.smoke, args.cutoff, args.twin)
     start, longest = time.time(), 0.0
     variants = args.variants.split(",")
-    meta = {"date": now(), "card": "cpu" if args.twin else card(), "versions": versions(), "smoke": args.smoke}
+    meta = {"date": now(), "card": "cpu" if args.twin else card(), "versions": versions(), "smoke": args.smoke,
+            "commit": commit()}
     print(f"{'run':>3} {'variant':12} {'fits':>5} {'tokens/s':>10} {'peak GiB':>9}  step-1 loss")
     for r in range(args.runs):
         for variant in (variants if r % 2 == 0 else variants[::-1]):
