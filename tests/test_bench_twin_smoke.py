@@ -26,14 +26,19 @@ def _check(row, scale):
     assert row["live_at_peak"] and all(g["each_gib"] > 0 and g["count"] >= 1 for g in row["live_at_peak"])
 
 
-def test_memory_twin_llamafactory(tmp_path):
-    out = tmp_path / "twin.json"
+def _bench(script, tmp_path, *args):
+    """Run bench/SCRIPT with ``args`` (4096 tokens, 2 steps, a row file and work folder under tmp_path); its rows."""
+    out = tmp_path / "rows.json"
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "memory_twin.py"), "--scale", "64", "--layers",
-                           "1", "--cutoff", "4096", "--steps", "2", "--variants", "plain,liger_fsdp", "--out", str(out),
-                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *args, "--cutoff", "4096", "--steps",
+                           "2", "--out", str(out), "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = _rows(out)
+    return _rows(out)
+
+
+def test_memory_twin_llamafactory(tmp_path):
+    rows = _bench("memory_twin.py", tmp_path, "--scale", "64", "--layers", "1", "--variants", "plain,liger_fsdp")
     assert [r["variant"] for r in rows] == ["plain", "liger_fsdp"]
     for row in rows:
         _check(row, 64)
@@ -43,13 +48,7 @@ def test_memory_twin_llamafactory(tmp_path):
 
 
 def test_memory_twin_v1(tmp_path):
-    out = tmp_path / "twin_v1.json"
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "v1_h200.py"), "--twin", "64", "--cutoff",
-                           "4096", "--steps", "2", "--runs", "1", "--variants", "plugin-head", "--out", str(out),
-                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    (row,) = _rows(out)
+    (row,) = _bench("v1_h200.py", tmp_path, "--twin", "64", "--runs", "1", "--variants", "plugin-head")
     _check(row, 64)
     assert "backend=triton_fast" in row["engaged"] and "guard:" in row["guard"]
     assert "ops.triton_rows.FAST_STORE_MAX_BYTES=262144" in row["twin_constants"]
