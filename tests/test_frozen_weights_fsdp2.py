@@ -89,13 +89,13 @@ def test_frozen_weights_keep_their_dtype_after_accelerates_upcast(group):
     computes in its bf16 param_dtype either way)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from llamafactory_liger_fsdp.integration.accelerate import _frozen_dtypes, keep_frozen_dtype
+    from llamafactory_liger_fsdp.integration.accelerate import frozen_dtypes, keep_frozen_dtype
 
     base = make_peft(make_model("llama", dtype=torch.bfloat16), "mts")
     runs = []
     for keep in (False, True):
         model = copy.deepcopy(base)
-        before = _frozen_dtypes(model)
+        before = frozen_dtypes(model)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in causal_lm_of(model).model.layers:
             fully_shard(layer, mp_policy=mp)

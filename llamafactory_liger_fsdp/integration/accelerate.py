@@ -51,7 +51,8 @@ def patch_wrap_policy(version: int | None) -> list[Callable[[], None]]:
     return [] if patch is None else [lambda: _patch.undo(patch.owner, patch.name)]
 
 
-def _frozen_dtypes(model: Any) -> dict:
+def frozen_dtypes(model: Any) -> dict:
+    """name -> dtype of the frozen floating-point parameters (before accelerate's upcast)."""
     return {n: p.dtype for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()}
 
 
@@ -64,7 +65,7 @@ def keep_frozen_dtype(model: Any, before: dict) -> tuple[int, int]:
           if n in before and not p.requires_grad and p.dtype == torch.float32 and before[n].itemsize == 2}
     if not to:
         return 0, 0
-    local = [getattr(p, "_local_tensor", p) for p in model.parameters() if id(p) in to]
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters() if id(p) in to]
     saved = sum(t.numel() * 2 for t in local)
     with torch.no_grad():
         model._apply(lambda t: t.to(to[id(t)]) if id(t) in to else t)
@@ -85,7 +86,7 @@ def patch_frozen_dtype() -> list[Callable[[], None]]:
 
     def make(original):
         def fsdp2_prepare_model(accelerator, model, *args, **kwargs):
-            before = _frozen_dtypes(model)
+            before = frozen_dtypes(model)
             model = original(accelerator, model, *args, **kwargs)
             n, saved = keep_frozen_dtype(model, before)
             if n and not said:
