@@ -14,6 +14,8 @@ imports torch at import time, so a caller that must not hold a CUDA context (ben
   with random weights + tiny data), :func:`run` (one torchrun launch of bench/lf_bench_launch.py -> its row),
   :func:`log_line`, :func:`error_line`, ``ZERO3`` / :func:`ds_json` (the DeepSpeed json), ``DEPTH_MODEL`` /
   :func:`build_depth_model` (the 32-layer Llama-3-8B shape, built in a process of its own), :func:`filling_words`
+* the CPU memory twin: ``TWIN_ENV`` / ``TWIN_SIZES``, :func:`twin_spec`, :func:`twin_setup`, ``AllocationTimeline``,
+  :func:`twin_peaks` (in the launched run), :func:`twin_groups` / :func:`twin_lines` (its rows and table)
 
     python bench/common.py build WORK NAME --layers 32 --max-position 131072 --rows 1400 --answer-words 300 500
 
@@ -563,6 +565,17 @@ def twin_peaks(timeline: AllocationTimeline, steps: list) -> list:
             step["optimizer_peak_mib"] = timeline.peak(opt[0][0], opt[-1][1])[0] / 2**20
         best = max(best, (peak, when))
     return [{"label": label, "each_mib": n / 2**20, "count": c} for label, n, c in timeline.live_at(best[1], top=14)]
+
+
+def twin_groups(groups: list | None, s: int) -> list:
+    """:func:`twin_peaks`' groups at the GPU's size: ``[{label, count, each_gib}]`` (CPU bytes times s^2)."""
+    return [dict(label=g["label"], count=g["count"], each_gib=g["each_mib"] / 1024 * s**2) for g in groups or []]
+
+
+def twin_lines(groups: list, top: int = 14) -> list:
+    """The printed lines of :func:`twin_groups`' largest ``top`` groups."""
+    return [f"      {g['each_gib'] * g['count']:7.2f} GiB = {g['count']:>3} x {g['each_gib']:.3f}  {g['label']}"
+            for g in groups[:top]]
 
 
 def main() -> None:

@@ -24,16 +24,17 @@ import os
 import tempfile
 
 from common import (MODELS, ROOT, TWIN_ENV, VARIANTS, append_row, build, commit, filling_words, load_rows, now,
-                    run, twin_spec, versions)
+                    run, twin_groups, twin_lines, twin_spec, versions)
 
 OFFERED = ("plain", "liger_fsdp", "liger_fsdp_fast", "liger_fsdp_auto", "liger_fsdp_noguard")
+DEPTH_NAME = {"liger_fsdp_fast": "plugin"}  # bench/depth_h200.py's name of a variant (the others are the same)
 # H200 rows measured in the same setup (file, how to pick the row), for the table
 MEASURED = {("sft", 2): ("h200_sft_phases.json", lambda r, v, c: r.get("variant") == v
                          and r.get("tokens_per_gpu_step") == c and r.get("nproc") == 1),
-            ("sft", 32): ("h200_depth.json", lambda r, v, c: r.get("variant") == {"liger_fsdp_fast": "plugin"}.get(
-                          v, v) and r.get("cutoff") == c and r.get("sharding") == "fsdp2" and "part" not in r),
+            ("sft", 32): ("h200_depth.json", lambda r, v, c: r.get("variant") == DEPTH_NAME.get(v, v)
+                          and r.get("cutoff") == c and r.get("sharding") == "fsdp2" and "part" not in r),
             ("dpo", 32): ("h200_depth.json", lambda r, v, c: r.get("part") == "dpo" and r.get("cutoff") == c
-                          and r.get("variant") == {"liger_fsdp_fast": "plugin"}.get(v, v))}
+                          and r.get("variant") == DEPTH_NAME.get(v, v))}
 DPO = dict(stage="dpo", dataset="tiny_pairs", pref_beta=0.1, pref_loss="sigmoid", packing=False, learning_rate=1e-6)
 
 
@@ -66,8 +67,7 @@ def twin_run(mdir: str, spec: dict, variant: str, args) -> dict:
     for key in ("peak_gib", "forward_peak_gib", "backward_peak_gib", "optimizer_peak_gib", "fwd_bwd_peak_gib",
                 "step1_peak_gib"):
         row[key] = row.get(key, 0.0) * s**2
-    row["live_at_peak"] = [dict(label=g["label"], count=g["count"], each_gib=g["each_mib"] / 1024 * s**2)
-                           for g in row.pop("twin_live", None) or []]
+    row["live_at_peak"] = twin_groups(row.pop("twin_live", None), s)
     for key in ("tokens_per_s", "tokens_per_s_per_gpu", "step_s", "step_times", "profile"):
         row.pop(key, None)  # CPU times say nothing about a GPU
     return row
@@ -104,8 +104,7 @@ def main() -> None:
         h200 = measured(args.stage, args.layers, variant, args.cutoff)
         print(f"{variant:18} {row['peak_gib']:>13.2f} {h200 if h200 is not None else '-':>9} "
               f"{row['forward_peak_gib']:>8.2f} {row['backward_peak_gib']:>8.2f} {row['optimizer_peak_gib']:>9.2f}")
-        for g in row["live_at_peak"][:8]:
-            print(f"      {g['each_gib'] * g['count']:7.2f} GiB = {g['count']:>3} x {g['each_gib']:.3f}  {g['label']}")
+        print("\n".join(twin_lines(row["live_at_peak"], top=8)))
     print(f"rows appended to {args.out}")
 
 

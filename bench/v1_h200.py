@@ -33,7 +33,7 @@ import tempfile
 import time
 
 from common import (MAKE_ASSETS, MODELS, ROOT, TWIN_ENV, append_row, build, card, commit, error_line, filling_words,
-                    log_line, now, twin_spec, versions)
+                    log_line, now, twin_groups, twin_lines, twin_spec, versions)
 
 HEAD_ONLY = ["lm_head"]
 SEED = ["lm_head", "embed_tokens"]
@@ -119,8 +119,7 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
                    twin_constants=res.get("twin_constants"),
                    **{f"{ph}_peak_gib": max(st.get(f"{ph}_peak_mib", 0) for st in steps) / 1024 * s**2
                       for ph in ("forward", "backward", "optimizer")},
-                   live_at_peak=[dict(label=g["label"], count=g["count"], each_gib=g["each_mib"] / 1024 * s**2)
-                                 for g in res.get("live_at_peak", [])])
+                   live_at_peak=twin_groups(res.get("live_at_peak"), s))
         return row
     rates = [st["tokens"] / st["s"] for st in steps[1:] or steps]
     row.update(tokens_per_s=statistics.median(rates), tokens_per_step=steps[-1]["tokens"],
@@ -167,8 +166,7 @@ def main() -> None:
             if row.get("live_at_peak"):  # the twin: the prediction's phases and what it is made of
                 print("      phases (GiB): " + ", ".join(f"{ph} {row[f'{ph}_peak_gib']:.2f}"
                                                        for ph in ("forward", "backward", "optimizer")))
-                for g in row["live_at_peak"]:
-                    print(f"      {g['each_gib'] * g['count']:7.2f} GiB = {g['count']:>3} x {g['each_gib']:.3f}  {g['label']}")
+                print("\n".join(twin_lines(row["live_at_peak"])))
     print(f"rows appended to {out}")
 
 
