@@ -22,6 +22,7 @@ from typing import Any, Callable
 from torch import nn
 
 from . import thirdparty
+from .heads.base import is_shared
 
 UNIT_ATTR = "_liger_fsdp_unit"
 
@@ -43,9 +44,6 @@ def idle_originals(model: nn.Module) -> list[str]:
     """Paths of the ``original_module`` of every PEFT ``modules_to_save`` wrapper whose active copy is trained
     (``additional_target: embed_tokens,lm_head``): frozen, called only under ``disable_adapter()`` (a DPO reference
     pass); plain ``nn.Linear`` / ``nn.Embedding`` modules whose weight nothing else shares."""
-    counts: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        counts[id(p)] = counts.get(id(p), 0) + 1
     out = []
     for name, module in model.named_modules():
         if not thirdparty.is_modules_to_save(module) or module.disable_adapters:
@@ -54,7 +52,7 @@ def idle_originals(model: nn.Module) -> list[str]:
         if type(original) not in (nn.Linear, nn.Embedding) or not original.weight.is_floating_point():
             continue
         trained = any(p.requires_grad for p in module.modules_to_save.parameters())
-        if trained and not any(p.requires_grad or counts[id(p)] > 1 for p in original.parameters()):
+        if trained and not any(p.requires_grad or is_shared(model, p) for p in original.parameters()):
             out.append(f"{name}.original_module")
     return out
 
