@@ -183,7 +183,8 @@ def one_run(args, meta, mdir, data, cutoff, variant, nrun, timeout):
 
 
 def mine(rows, part, smoke):
-    return [r for r in rows if r.get("part") == part and bool(r.get("smoke")) == smoke]
+    """This part's rows, less those marked ``superseded`` (a code path since replaced; the row says by what)."""
+    return [r for r in rows if r.get("part") == part and bool(r.get("smoke")) == smoke and not r.get("superseded")]
 
 
 def table(rows, part) -> list[str]:
@@ -260,8 +261,9 @@ def main():
                     skipped.append(f"{variant}:{cutoff}:r{r + 1}")
                     continue
                 timeout = max(30, args.deadline - elapsed) if args.deadline else 3600
-                nrun = 1 + max((x["run"] for x in mine(load_rows(out), args.part, args.smoke)
-                                if (x["variant"], x["cutoff"]) == (variant, cutoff)), default=0)  # earlier calls' too
+                same = [x["run"] for x in load_rows(out) if x.get("part") == args.part  # earlier calls', superseded too
+                        and bool(x.get("smoke")) == args.smoke and (x["variant"], x["cutoff"]) == (variant, cutoff)]
+                nrun = 1 + max(same, default=0)
                 print(f"[{args.part}] {variant} {cutoff} run {nrun} ({elapsed:.0f} s in)", flush=True)
                 row = one_run(args, meta, mdir, data, cutoff, variant, nrun, timeout)
                 longest = max(longest, row["wall_s"])
