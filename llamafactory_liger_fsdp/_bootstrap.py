@@ -6,7 +6,8 @@
 ``accelerate launch`` workers. So this module must stay cheap and must never break start-up:
 it imports nothing but :mod:`.hooked` (names) and only puts a finder on ``sys.meta_path``: ``python -c pass``
 costs about what it costs without the plugin (``bench/hook_cost.py``; ``tests/test_bootstrap.py`` checks what it
-imports).
+imports). The ``.pth`` line itself is silent where the package is gone but the line is not (pip part-way through
+reinstalling the plugin runs Python with the old line in place); any other import error is reported as site does.
 
 The finder waits for the LLaMA-Factory modules that the plugin hooks (:mod:`.hooked`), and right after
 each one has executed (and *before* any ``from .loader import load_model`` elsewhere binds the

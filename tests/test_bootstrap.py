@@ -92,6 +92,31 @@ def test_unpatch_restores():
     assert _py(code) == "False False"
 
 
+PTH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "llamafactory_liger_fsdp.pth")
+
+
+@pytest.mark.parametrize("package", [None, "import no_such_module_anywhere\n"])
+def test_pth_line_without_the_package(tmp_path, package):
+    """The .pth line in a site directory where the package is missing (pip mid-way through reinstalling it, a package
+    removed by hand) says nothing; a package that is there but fails to import is still reported by site."""
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    (site_dir / "llamafactory_liger_fsdp.pth").write_text(open(PTH).read())
+    if package is not None:  # the package, broken inside: _bootstrap imports a module that does not exist
+        (site_dir / "llamafactory_liger_fsdp").mkdir()
+        (site_dir / "llamafactory_liger_fsdp" / "__init__.py").write_text("")
+        (site_dir / "llamafactory_liger_fsdp" / "_bootstrap.py").write_text(package)
+    code = f"import site, sys; site.addsitedir({str(site_dir)!r}); print('llamafactory_liger_fsdp' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=60)  # -S: no site-packages, so the installed plugin is out of reach
+    assert proc.returncode == 0, proc.stderr
+    if package is None:
+        assert (proc.stdout.strip(), proc.stderr) == ("False", "")
+    else:
+        assert "no_such_module_anywhere" in proc.stderr and "Error processing line 1" in proc.stderr
+
+
 def test_pth_installed():
     import site
 
