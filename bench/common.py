@@ -412,10 +412,13 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
     # tokens_seen counts every rank's tokens
     per_step = (seen[-1] - seen[0]) / max(len(seen) - 1, 1) if seen[-1] else cutoff * nproc
     row.update(step_times=[s["s"] for s in steps], step1_peak_gib=steps[0]["peak_mib"] / 1024,
+               setup_peak_gib=steps[0].get("before_peak_mib", 0.0) / 1024,  # model load, wrapping, optimizer creation
+               between_peak_gib=max((s.get("before_peak_mib", 0.0) for s in steps[1:]), default=0.0) / 1024,
                tokens_per_step=per_step, step_s=statistics.median(times), tokens_per_s=per_step / statistics.median(times),
                tokens_per_s_per_gpu=per_step / statistics.median(times) / nproc,
                peak_gib=max(s["peak_mib"] for s in res["steps"]) / 1024, losses=res["losses"],
                step_losses=res.get("step_losses"), profile=res.get("profile"), twin_live=res.get("live_at_peak"),
+               twin_live_setup=res.get("live_at_setup"),
                peak_gib_per_rank=[m / 1024 for m in res.get("peak_mib_per_rank", [])],
                **{f"{phase}_peak_gib": max(s.get(f"{phase}_peak_mib", 0) for s in steps) / 1024
                   for phase in ("fwd_bwd", "optimizer", "forward", "backward")})
@@ -547,16 +550,21 @@ class AllocationTimeline:
         return sorted(((label, n, c) for (label, n), c in groups.items()), key=lambda g: -g[1] * g[2])[:top]
 
 
-def twin_peaks(timeline: AllocationTimeline, steps: list) -> list:
+def twin_peaks(timeline: AllocationTimeline, steps: list) -> tuple:
     """Each step's CPU peaks into ``steps`` (dicts in step order): ``peak_mib`` (the step, between its ``## step``
-    marks), ``forward_peak_mib`` (its ``## forward`` marks: the trainer's loss call), ``backward_peak_mib`` (from
-    there to the optimizer step), ``optimizer_peak_mib``; returns the groups live at the highest step peak
-    (``[{label, each_mib, count}]``)."""
+    marks), ``before_peak_mib`` (from the previous step's end -- for step 1 the profiler's start: the set-up -- to its
+    start), ``forward_peak_mib`` (its ``## forward`` marks: the trainer's loss call), ``backward_peak_mib`` (from
+    there to the optimizer step), ``optimizer_peak_mib``; returns the groups live at the highest step peak and at the
+    set-up's peak (each ``[{label, each_mib, count}]``)."""
     forwards, opts = timeline.windows("## forward"), timeline.windows("Optimizer.step")
-    best = (0, 0)
-    for step, (t0, t1) in zip(steps, timeline.windows("## step")):
+    best, setup, prev_end = (0, 0), (0, 0), 0
+    for i, (step, (t0, t1)) in enumerate(zip(steps, timeline.windows("## step"))):
         peak, when = timeline.peak(t0, t1)
         step["peak_mib"] = peak / 2**20
+        before = timeline.peak(prev_end, t0)
+        step["before_peak_mib"] = before[0] / 2**20
+        setup = before if i == 0 else setup
+        prev_end = t1
         fwd = [w for w in forwards if t0 <= w[0] <= t1]
         opt = [w for w in opts if t0 <= w[0] <= t1]
         if fwd and opt:
@@ -564,7 +572,9 @@ def twin_peaks(timeline: AllocationTimeline, steps: list) -> list:
             step["backward_peak_mib"] = timeline.peak(fwd[-1][1], opt[0][0])[0] / 2**20
             step["optimizer_peak_mib"] = timeline.peak(opt[0][0], opt[-1][1])[0] / 2**20
         best = max(best, (peak, when))
-    return [{"label": label, "each_mib": n / 2**20, "count": c} for label, n, c in timeline.live_at(best[1], top=14)]
+    groups = [[{"label": label, "each_mib": n / 2**20, "count": c} for label, n, c in timeline.live_at(when, top=14)]
+              for when in (best[1], setup[1])]
+    return groups[0], groups[1]
 
 
 def twin_groups(groups: list | None, s: int) -> list:

@@ -176,7 +176,7 @@ def one_run(args, meta, mdir, data, cutoff, variant, nrun, timeout):
                 step_losses=row.get("step_losses"), error=None if fits else (row.get("error") or f"{done}/{args.steps} steps"),
                 run=nrun, date=now(), card=meta["card"], steps=args.steps, step_times=row.get("step_times"),
                 step_s=row.get("step_s"), tokens_per_step=row.get("tokens_per_step"), wall_s=round(wall, 1),
-                **{f"{p}_peak_gib": row.get(f"{p}_peak_gib") for p in ("forward", "backward", "optimizer")},
+                **{f"{p}_peak_gib": row.get(f"{p}_peak_gib") for p in ("setup", "between", "forward", "backward", "optimizer")},
                 engaged=row.get("engaged"), guard=log_line(log, "[liger_fsdp] guard"),
                 log_tail=None if fits else (row.get("log_tail") or "")[-1500:], versions=meta["versions"],
                 plugin_commit=meta["commit"], session=meta["session"], smoke=args.smoke, part=args.part)

@@ -297,7 +297,7 @@ def one_run(args, rows, work, mdir, sharding, variant, cutoff, steps, timeout, m
                run=nrun, date=now(), card=meta["card"], steps=steps, step_times=row.get("step_times"),
                step_s=row.get("step_s"), tokens_per_step=row.get("tokens_per_step"), wall_s=round(wall, 1),
                step1_peak_gib=row.get("step1_peak_gib"),
-               **{f"{p}_peak_gib": row.get(f"{p}_peak_gib") for p in ("forward", "backward", "optimizer")},
+               **{f"{p}_peak_gib": row.get(f"{p}_peak_gib") for p in ("setup", "between", "forward", "backward", "optimizer")},
                losses=row.get("losses"), engaged=row.get("engaged"), memory_line=row.get("memory_line"),
                liger_line=log_line(log, "Liger kernel has been applied"),
                cast=log_line(log, "[liger_fsdp] DeepSpeed ZeRO-3: train"), log_tail=row.get("log_tail"),

@@ -3,8 +3,9 @@
     torchrun --nproc_per_node N bench/lf_bench_launch.py sft.yaml result.json
 
 Records per step, on every rank: wall time (device-synchronised), the peak of
-``torch.cuda.max_memory_allocated()`` so far (0 on CPU) and its peaks in forward+backward and in the
-optimizer step, and the loss that ``Trainer.training_step`` returned, unrounded (the logged loss
+``torch.cuda.max_memory_allocated()`` so far (0 on CPU), its peak before the step (``before_peak_mib``: since the
+last optimizer step; at step 1 the set-up -- model load, wrapping, optimizer creation) and its peaks in
+forward+backward and in the optimizer step, and the loss that ``Trainer.training_step`` returned, unrounded (the logged loss
 is rounded to 4 digits; the returned one is fp32 on the CPU and already bf16 under FSDP2 + bf16). Rank 0 writes them to result.json:
 ``steps`` (rank 0's timings), ``losses`` (the logged, rounded ones), ``step_losses`` (per step, the
 mean over ranks of the summed micro-batch losses) and ``peak_mib_per_rank``. The final save_model is
@@ -22,7 +23,7 @@ says what was cast -- the same-dtype-policy baselines under ZeRO-3.
 
 ``LF_BENCH_TWIN=s`` (bench/common.py's CPU memory twin): the package's size constants divided by s, the run profiled
 for its CPU allocations; each step's ``peak_mib`` and phase peaks are then allocated CPU memory (common.twin_peaks),
-and result.json gains ``live_at_peak``."""
+and result.json gains ``live_at_peak`` and ``live_at_setup`` (what is live at the highest step peak / set-up peak)."""
 
 import json
 import os
@@ -86,8 +87,9 @@ class BenchCallback(TrainerCallback):
                 [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []))
             self.prof.__enter__()
         _sync()
-        self.run_peak = max(self.run_peak, _peak_mib(reset=True))
-        self.phase = {}
+        before = _peak_mib(reset=True)  # since the last step's optimizer step; at step 1: the set-up
+        self.run_peak = max(self.run_peak, before)
+        self.phase = {"before_peak_mib": before}
         PHASES.clear()
         self.mark = record_function("## step")  # the twin's step window
         self.mark.__enter__()
@@ -126,10 +128,10 @@ class BenchCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kw):
         import torch.distributed as dist
 
-        live = None
+        live = live_setup = None
         if self.twin_prof is not None:  # the CPU peaks replace the (zero) CUDA ones
             self.twin_prof.__exit__(None, None, None)
-            live = twin_peaks(AllocationTimeline(self.twin_prof), self.steps)
+            live, live_setup = twin_peaks(AllocationTimeline(self.twin_prof), self.steps)
         mine = {"step_losses": self.step_losses, "peak_mib": max((s["peak_mib"] for s in self.steps), default=0.0)}
         every = [mine]
         if dist.is_available() and dist.is_initialized():
@@ -139,7 +141,7 @@ class BenchCallback(TrainerCallback):
             n = min(len(r["step_losses"]) for r in every)
             with open(self.out, "w") as f:
                 json.dump({"steps": self.steps, "losses": self.losses, "profile": getattr(self, "profile", None),
-                           "live_at_peak": live,
+                           "live_at_peak": live, "live_at_setup": live_setup,
                            "step_losses": [sum(r["step_losses"][i] for r in every) / len(every) for i in range(n)],
                            "peak_mib_per_rank": [r["peak_mib"] for r in every]}, f)
 

@@ -13,7 +13,9 @@ offered. ``--stage dpo``: pairs of ``--cutoff`` tokens a side, sigmoid, the refe
 bench/depth_dpo_vlm_h200.py).
 
 Rows (``twin``: s, ``card``: "cpu") carry the H200 keys as predictions -- ``peak_gib`` and the phase peaks are CPU
-bytes times s^2 -- and ``live_at_peak`` (the largest allocations live at the run's peak, GiB each after scaling). The
+bytes times s^2, ``peak_gib`` the steps' highest -- ``setup_peak_gib`` (before step 1: model load, wrapping,
+optimizer creation), and ``live_at_peak`` / ``live_at_setup`` (the largest allocations live at the steps' peak / the
+set-up's, GiB each after scaling). The
 table prints the H200 row of the same setup beside each prediction where bench/results has one.
 """
 
@@ -65,9 +67,10 @@ def twin_run(mdir: str, spec: dict, variant: str, args) -> dict:
     if "error" in row:
         return row
     for key in ("peak_gib", "forward_peak_gib", "backward_peak_gib", "optimizer_peak_gib", "fwd_bwd_peak_gib",
-                "step1_peak_gib"):
+                "step1_peak_gib", "setup_peak_gib", "between_peak_gib"):
         row[key] = row.get(key, 0.0) * s**2
     row["live_at_peak"] = twin_groups(row.pop("twin_live", None), s)
+    row["live_at_setup"] = twin_groups(row.pop("twin_live_setup", None), s)
     for key in ("tokens_per_s", "tokens_per_s_per_gpu", "step_s", "step_times", "profile"):
         row.pop(key, None)  # CPU times say nothing about a GPU
     return row
@@ -94,7 +97,7 @@ def main() -> None:
     words = filling_words(args.cutoff // args.scale)  # an answer fills a sample (a DPO side; SFT packs them anyway)
     mdir = build(args.work, f"llama3-8b-L{args.layers}-twin{args.scale}-{args.cutoff}", spec, args.layers, rows=64,
                  answer_words=(words, words + 50), max_position=max(32768, 2 * args.cutoff), seed=0, device="cpu")
-    print(f"{'variant':18} {'predicted GiB':>13} {'H200 GiB':>9} {'forward':>8} {'backward':>8} {'optimizer':>9}")
+    print(f"{'variant':18} {'predicted GiB':>13} {'H200 GiB':>9} {'set-up':>8} {'forward':>8} {'backward':>8} {'optimizer':>9}")
     for variant in variants:
         row = twin_run(mdir, spec, variant, args)
         append_row(args.out, row)
@@ -103,8 +106,10 @@ def main() -> None:
             continue
         h200 = measured(args.stage, args.layers, variant, args.cutoff)
         print(f"{variant:18} {row['peak_gib']:>13.2f} {h200 if h200 is not None else '-':>9} "
-              f"{row['forward_peak_gib']:>8.2f} {row['backward_peak_gib']:>8.2f} {row['optimizer_peak_gib']:>9.2f}")
+              f"{row['setup_peak_gib']:>8.2f} {row['forward_peak_gib']:>8.2f} {row['backward_peak_gib']:>8.2f} {row['optimizer_peak_gib']:>9.2f}")
         print("\n".join(twin_lines(row["live_at_peak"], top=8)))
+        if row["setup_peak_gib"] > row["peak_gib"]:  # the run's peak is the set-up's: say what it is made of
+            print("    at the set-up's peak:\n" + "\n".join(twin_lines(row["live_at_setup"], top=8)))
     print(f"rows appended to {args.out}")
 
 

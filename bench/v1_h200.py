@@ -112,14 +112,16 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
         return row
     res = json.load(open(result))
     steps = res["steps"]
-    row.update(fits=True, peak_gib=max(st["peak_mib"] for st in steps) / 1024 * s**2,
+    row.update(fits=True, peak_gib=max(st["peak_mib"] for st in steps) / 1024 * s**2,  # the steps' peak
+               setup_peak_gib=steps[0].get("before_peak_mib", 0.0) / 1024 * s**2,  # before step 1
                step_losses=[st["loss"] for st in steps])
     if args.twin:  # predictions: CPU bytes times s^2
         row.update(twin=s, tokens_per_step=steps[-1]["tokens"], cpu_peak_mib=max(st["peak_mib"] for st in steps),
                    twin_constants=res.get("twin_constants"),
                    **{f"{ph}_peak_gib": max(st.get(f"{ph}_peak_mib", 0) for st in steps) / 1024 * s**2
                       for ph in ("forward", "backward", "optimizer")},
-                   live_at_peak=twin_groups(res.get("live_at_peak"), s))
+                   live_at_peak=twin_groups(res.get("live_at_peak"), s),
+                   live_at_setup=twin_groups(res.get("live_at_setup"), s))
         return row
     rates = [st["tokens"] / st["s"] for st in steps[1:] or steps]
     row.update(tokens_per_s=statistics.median(rates), tokens_per_step=steps[-1]["tokens"],

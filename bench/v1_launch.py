@@ -4,7 +4,7 @@ memory callback:
     torchrun --nproc_per_node N bench/v1_launch.py sft|dpo cfg.yaml result.json
 
 Per optimizer step, on rank 0: wall time (device-synchronised), the peak of ``torch.cuda.max_memory_allocated()`` in
-the step (reset at each step's start; 0 on the CPU), the step loss v1 logs (unrounded) and the tokens the step's
+the step (reset at each step's start; 0 on the CPU) and before it (``before_peak_mib``; at step 1: the set-up), the step loss v1 logs (unrounded) and the tokens the step's
 micro-batches hold (``attention_mask`` != 0, counted in ``compute_loss``). v1's final ``save_model`` is skipped
 (benchmark only). The plugin is active the way it is for ``llamafactory-cli``: its ``.pth`` (or the activation
 directory on ``PYTHONPATH``) hooks v1's modules as they load.
@@ -51,8 +51,10 @@ def main() -> None:
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, **kwargs):
+            self.before = 0.0  # the peak since the last step (at step 1: the set-up), in the step's row
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+                self.before = torch.cuda.max_memory_allocated() / 2**20
                 torch.cuda.reset_peak_memory_stats()
             tokens[0] = 0
             self.mark = record_function("## step")
@@ -64,7 +66,8 @@ def main() -> None:
                 torch.cuda.synchronize()
             self.mark.__exit__(None, None, None)
             peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
-            steps.append({"s": time.perf_counter() - self.t0, "peak_mib": peak, "loss": float(state.loss),
+            steps.append({"s": time.perf_counter() - self.t0, "peak_mib": peak, "before_peak_mib": self.before,
+                          "loss": float(state.loss),
                           "tokens": tokens[0]})
 
     twin = int(os.environ.get(TWIN_ENV, "0") or 0)
@@ -83,7 +86,7 @@ def main() -> None:
                         callbacks=[Timer()])
         trainer.fit()
     if twin:
-        extra["live_at_peak"] = twin_peaks(AllocationTimeline(profiler), steps)
+        extra["live_at_peak"], extra["live_at_setup"] = twin_peaks(AllocationTimeline(profiler), steps)
     if DistributedInterface().get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump({"steps": steps, **extra}, f)

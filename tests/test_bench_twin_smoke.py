@@ -1,6 +1,7 @@
 """The CPU memory twin's scripts run end to end (bench/memory_twin.py for LLaMA-Factory, bench/v1_h200.py --twin for
-v1) at scale 64 on one CPU rank: a row per variant with a peak and its three phases, the live allocations at the peak,
-the package's sizes divided (its log line) -- plumbing only; bench/RESULTS.md section 12 has the figures."""
+v1) at scale 64 on one CPU rank: a row per variant with a peak and its three phases, the set-up's peak, the live
+allocations at both, the package's sizes divided (its log line) -- plumbing only; bench/RESULTS.md section 12 has the
+figures."""
 
 import json
 import os
@@ -24,6 +25,8 @@ def _check(row, scale):
     phases = [row[f"{p}_peak_gib"] for p in ("forward", "backward", "optimizer")]
     assert all(p > 0 for p in phases) and abs(max(phases) - row["peak_gib"]) <= 0.05 * row["peak_gib"], row
     assert row["live_at_peak"] and all(g["each_gib"] > 0 and g["count"] >= 1 for g in row["live_at_peak"])
+    # the set-up (before step 1) is its own window: the model's weights are live in it
+    assert 0 < row["setup_peak_gib"] and row["live_at_setup"], row.get("setup_peak_gib")
 
 
 def _bench(script, tmp_path, *args):
