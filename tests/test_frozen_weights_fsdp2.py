@@ -4,8 +4,9 @@
   units of their own when the plugin engages (``wrapping.idle_originals``): a training step never gathers them (in the
   root unit they were gathered for every forward and backward), the loss and gradients stay the unsharded model's,
   and a reference pass under ``disable_adapter()`` (DPO) still reads them.
-* After accelerate's FSDP2 upcast to fp32, frozen shards go back to the dtype they were loaded in
-  (``integration.accelerate.keep_frozen_dtype``), bitwise the same step."""
+* accelerate's FSDP2 upcast to fp32 leaves frozen shards in the dtype they were loaded in
+  (``integration.accelerate.upcast_skips_frozen``; ``keep_frozen_dtype`` casts back any still upcast), bitwise the same
+  step."""
 
 import copy
 
@@ -83,13 +84,15 @@ def test_fsdp2_never_gathers_them_in_a_training_step(group):
         assert rel(model(**batch).loss, ref(**batch).loss) < 1e-5
 
 
-def test_frozen_weights_keep_their_dtype_after_accelerates_upcast(group):
-    """integration.accelerate.keep_frozen_dtype after accelerate's FSDP2 ``model.to(float32)``: frozen shards back in
-    bf16 (half the bytes), trainable ones fp32, and forward and backward bitwise those of the all-fp32 shards (FSDP2
-    computes in its bf16 param_dtype either way)."""
+@pytest.mark.parametrize("how", ["cast_back", "skip"])
+def test_frozen_weights_keep_their_dtype_through_accelerates_upcast(group, how):
+    """accelerate (<= 1.11) FSDP2's ``model.to(float32)`` under mixed precision, then ``keep_frozen_dtype`` casting the
+    frozen shards back (``cast_back``) or, inside ``upcast_skips_frozen``, never cast at all (``skip``: the same
+    storage throughout): frozen shards in bf16 (half the bytes), trainable ones fp32, and forward and backward bitwise
+    those of the all-fp32 shards (FSDP2 computes in its bf16 param_dtype either way)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from llamafactory_liger_fsdp.integration.accelerate import frozen_dtypes, keep_frozen_dtype
+    from llamafactory_liger_fsdp.integration.accelerate import frozen_dtypes, keep_frozen_dtype, upcast_skips_frozen
 
     base = make_peft(make_model("llama", dtype=torch.bfloat16), "mts")
     runs = []
@@ -100,14 +103,25 @@ def test_frozen_weights_keep_their_dtype_after_accelerates_upcast(group):
         for layer in causal_lm_of(model).model.layers:
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
-        model.to(torch.float32)  # what accelerate's fsdp2_prepare_model does under mixed precision
+        storage = {name: p.to_local().data_ptr() for name, p in model.named_parameters() if not p.requires_grad}
+        if keep and how == "skip":
+            with upcast_skips_frozen(model, before) as skipped:
+                model.to(torch.float32)  # what accelerate's fsdp2_prepare_model does under mixed precision
+                model.to(torch.device("cpu"))  # any other call is nn.Module's
+            assert "to" not in model.__dict__ and len(skipped) == len(storage)
+            assert storage == {name: p.to_local().data_ptr() for name, p in model.named_parameters()
+                               if not p.requires_grad}, "a frozen shard was copied"
+        else:
+            model.to(torch.float32)
         n, saved = keep_frozen_dtype(model, before) if keep else (0, 0)
         frozen = [p for p in model.parameters() if not p.requires_grad]
         trained = [p for p in model.parameters() if p.requires_grad]
         assert {p.dtype for p in trained} == {torch.float32}
         assert {p.dtype for p in frozen} == ({torch.bfloat16} if keep else {torch.float32})
-        if keep:
+        if keep and how == "cast_back":
             assert n == len(frozen) and saved == sum(p.to_local().numel() * 2 for p in frozen)
+        elif keep:
+            assert (n, saved) == (0, 0)  # nothing left to cast back
         loss = model(**make_batch()).loss
         loss.backward()
         runs.append((loss.detach(), {name: p.grad.full_tensor() for name, p in model.named_parameters()

@@ -4,6 +4,7 @@ they were loaded in (:func:`patch_frozen_dtype`)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 from .. import _patch, wrapping
@@ -72,12 +73,42 @@ def keep_frozen_dtype(model: Any, before: dict) -> tuple[int, int]:
     return len(to), saved
 
 
+@contextlib.contextmanager
+def upcast_skips_frozen(model: Any, before: dict):
+    """While inside, ``model.to(torch.float32)`` (accelerate <= 1.11's upcast: every parameter) casts all but the frozen
+    parameters that ``before`` (name -> dtype) saw in 16 bits: those are never fp32, not even for a moment -- cast back
+    afterwards, the whole frozen base model would be fp32 at the set-up's peak. Any other ``to`` call is the module's
+    own. A per-instance attribute, removed on exit; yields the set of the parameters' ids it kept out."""
+    import torch
+
+    cls_to = type(model).to
+    skipped: set = set()
+
+    def to(*args, **kwargs):
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype != torch.float32 or device is not None or memory_format is not None:
+            return cls_to(model, *args, **kwargs)
+        keep = {id(p) for n, p in model.named_parameters()
+                if n in before and not p.requires_grad and p.dtype == before[n] and before[n].itemsize == 2}
+        skipped.update(keep)
+        # as nn.Module.to converts: floating and complex tensors only
+        return model._apply(lambda t: t if id(t) in keep or not (t.is_floating_point() or t.is_complex())
+                            else t.to(dtype, non_blocking=non_blocking))
+
+    model.to = to
+    try:
+        yield skipped
+    finally:
+        model.__dict__.pop("to", None)
+
+
 def patch_frozen_dtype() -> list[Callable[[], None]]:
-    """accelerate's ``fsdp2_prepare_model`` upcasts every parameter to fp32 under mixed precision (fp32 master weights
-    for the optimizer). A frozen parameter is never updated, so its fp32 shard only doubles its memory -- the whole
-    frozen base model under LoRA. This patch casts those back to the dtype they were loaded in after the upcast: exact
-    (the values came from that dtype, and FSDP2 all-gathers them in its ``param_dtype`` either way); trainable
-    parameters keep accelerate's fp32."""
+    """accelerate's ``fsdp2_prepare_model`` (<= 1.11; 1.15 upcasts trainable parameters only) upcasts every parameter
+    to fp32 under mixed precision (fp32 master weights for the optimizer). A frozen parameter is never updated, so its
+    fp32 shard only doubles its memory -- the whole frozen base model under LoRA. This patch keeps them out of the
+    upcast (:func:`upcast_skips_frozen`) and casts back any that another upcast path still made fp32: exact (the values
+    came from that dtype, and FSDP2 all-gathers them in its ``param_dtype`` either way); trainable parameters keep
+    accelerate's fp32."""
     try:
         from accelerate import accelerator as acc
     except ImportError:  # pragma: no cover
@@ -87,13 +118,16 @@ def patch_frozen_dtype() -> list[Callable[[], None]]:
     def make(original):
         def fsdp2_prepare_model(accelerator, model, *args, **kwargs):
             before = frozen_dtypes(model)
-            model = original(accelerator, model, *args, **kwargs)
-            n, saved = keep_frozen_dtype(model, before)
-            if n and not said:
+            with upcast_skips_frozen(model, before) as skipped:
+                model = original(accelerator, model, *args, **kwargs)
+            n, saved = keep_frozen_dtype(model, before)  # any that another upcast path made fp32
+            kept = [p for p in model.parameters() if id(p) in skipped]  # FSDP2's _apply keeps the Parameter objects
+            saved += sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 2 for p in kept)
+            if (kept or n) and not said:
                 said.append(True)
-                info_rank0(f"[liger_fsdp] FSDP2: {n} frozen parameter(s) kept in the dtype they were loaded in "
-                           f"({saved / GIB:.2f} GiB less on this rank): accelerate's mixed precision upcasts every "
-                           "parameter to fp32, a frozen one is never updated.")
+                info_rank0(f"[liger_fsdp] FSDP2: {len(kept) + n} frozen parameter(s) kept in the dtype they were loaded "
+                           f"in ({saved / GIB:.2f} GiB less on this rank than fp32): accelerate's mixed precision "
+                           "upcasts every parameter to fp32, a frozen one is never updated.")
             return model
 
         return fsdp2_prepare_model
