@@ -12,7 +12,8 @@ LoRA r16 ``lora_target: all`` + ``additional_target: embed_tokens,lm_head``, bf1
 Each (cutoff, run) plays plain then plugin on even runs and the reverse on odd ones. A row per run is appended to
 --out with bench/depth_h200.py's keys (model, layers, stage, sharding, variant, cutoff, images, fits, tokens_per_s,
 peak_gib, step_losses, error, run, date, card) plus the engaged and guard lines, step times and phase peaks; tokens/s
-counts every input token of a step (both sides of a pair). --deadline S: no run starts that would end (by the
+counts every input token of a step (both sides of a pair); with ``LF_BENCH_PROFILE_STEP=N`` in the environment a row
+also carries step N's profile (lf_bench_launch.py; that step is slower, so leave it out of timed comparisons). --deadline S: no run starts that would end (by the
 longest run so far, or a prior) more than S s after the start. --smoke: the CPU plumbing check (tiny models, fp32,
 no FSDP; rows to a temp file unless --out).
 
@@ -179,7 +180,8 @@ def one_run(args, meta, mdir, data, cutoff, variant, nrun, timeout):
                 **{f"{p}_peak_gib": row.get(f"{p}_peak_gib") for p in ("setup", "between", "forward", "backward", "optimizer")},
                 engaged=row.get("engaged"), guard=log_line(log, "[liger_fsdp] guard"),
                 log_tail=None if fits else (row.get("log_tail") or "")[-1500:], versions=meta["versions"],
-                plugin_commit=meta["commit"], session=meta["session"], smoke=args.smoke, part=args.part)
+                plugin_commit=meta["commit"], session=meta["session"], smoke=args.smoke, part=args.part,
+                **({"profile": row["profile"]} if row.get("profile") else {}))  # LF_BENCH_PROFILE_STEP=N: step N's ops
 
 
 def mine(rows, part, smoke):
