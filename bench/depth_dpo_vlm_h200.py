@@ -189,10 +189,16 @@ def mine(rows, part, smoke):
     return [r for r in rows if r.get("part") == part and bool(r.get("smoke")) == smoke and not r.get("superseded")]
 
 
-def table(rows, part) -> list[str]:
-    """The runs per cutoff and variant, and the issue's targets for this part."""
+def card_name(row) -> str:
+    """The card's model (``card`` less its memory and driver): rows compare only within one."""
+    return (row.get("card") or "?").split(",")[0].replace("NVIDIA ", "")
+
+
+def table(all_rows, part) -> list[str]:
+    """The runs per card, cutoff and variant, and the issue's targets for this part (on each card alone)."""
     out = []
-    for c in sorted({r["cutoff"] for r in rows}):
+    for card, c in sorted({(card_name(r), r["cutoff"]) for r in all_rows}):
+        rows = [r for r in all_rows if card_name(r) == card]
         med = {}
         for v in VARIANTS:
             runs = [r for r in rows if r["cutoff"] == c and r["variant"] == v]
@@ -202,7 +208,7 @@ def table(rows, part) -> list[str]:
             cells = ", ".join(f"{r['tokens_per_s']:.0f} tok/s @ {r['peak_gib']:.2f} GiB" if r["fits"] else
                               f"fails: {(r['error'] or '')[:100]}" for r in runs)
             first = next((r["step_losses"][0] for r in runs if r.get("step_losses")), None)
-            out.append(f"{part} {c}: {v:6s} {cells or '-'}; step-1 loss {first}")
+            out.append(f"{part} {c} {card}: {v:6s} {cells or '-'}; step-1 loss {first}")
             for r in ok[:1]:
                 out.append(f"    {r.get('engaged') or 'not engaged'} | {r.get('guard') or 'no guard line'}")
         if len(med) == 2:
