@@ -76,6 +76,7 @@ def test_fsdp2_bf16_frozen_weights_stay_16bit(assets, tmp_path):
     assert rc == 0, log[-6000:]
     said = [l for l in log.splitlines() if "[liger_fsdp] FSDP2:" in l]
     assert len(said) == 1 and re.search(r"FSDP2: \d+ frozen parameter\(s\) kept in the dtype they were loaded in", said[0])
+    assert "the original weights freed as they were sharded" in said[0], said[0]
     assert len(fused) == len(plain) == 6
     assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(fused, plain)), (fused, plain)
 

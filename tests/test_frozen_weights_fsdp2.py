@@ -128,3 +128,49 @@ def test_frozen_weights_keep_their_dtype_through_accelerates_upcast(group, how):
                                      if p.requires_grad}))
     assert torch.equal(runs[0][0], runs[1][0])
     assert runs[0][1].keys() == runs[1][1].keys() and all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+
+
+@pytest.mark.parametrize("patched,efficient", [(True, False), (False, False), (True, True)])
+def test_set_up_holds_no_second_copy_of_the_model(group, monkeypatch, patched, efficient):
+    """accelerate's ``fsdp2_prepare_model`` takes ``original_sd = model.state_dict()`` before sharding and reads it only
+    under ``cpu_ram_efficient_loading``. Patched (``patch_setup_memory``) and with that option off, every original
+    weight is freed once sharded, before the call returns; unpatched (the control) or with the option on (it is read),
+    all stay alive until then, and the read state dict is the real one."""
+    import gc
+    from types import SimpleNamespace
+
+    import accelerate.accelerator as acc
+
+    from llamafactory_liger_fsdp.integration.accelerate import patch_setup_memory
+
+    model = make_peft(make_model("llama", dtype=torch.bfloat16), "mts")
+    weak = [p.untyped_storage()._weak_ref() for p in model.parameters()]
+    names = list(model.state_dict())
+    seen = {}
+
+    def prepare(accelerator, model):  # accelerate's order: the state dict, the units, then (if efficient) its read
+        original_sd = model.state_dict()
+        for layer in causal_lm_of(model).model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        gc.collect()
+        seen["alive"] = sum(not torch.UntypedStorage._expired(w) for w in weak)
+        if accelerator.state.fsdp_plugin.cpu_ram_efficient_loading:
+            seen["read"] = list(original_sd)
+        return model
+
+    monkeypatch.setattr(acc, "fsdp2_prepare_model", prepare)
+    undo = patch_setup_memory() if patched else []
+    try:
+        accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(
+            cpu_ram_efficient_loading=efficient)))
+        model = acc.fsdp2_prepare_model(accelerator, model)
+    finally:
+        for u in undo:
+            u()
+        for w in weak:
+            torch.UntypedStorage._free_weak_ref(w)
+    assert seen["alive"] == (0 if patched and not efficient else len(weak)), seen
+    assert seen.get("read", names) == names
+    assert "state_dict" not in model.__dict__ and "to" not in model.__dict__
+    assert all(isinstance(p, DTensor) for p in model.parameters())

@@ -1,10 +1,11 @@
 """The accelerate patches of :mod:`.` : accelerate's FSDP1 or FSDP2 wrapping puts each tagged head module in its own
 unit (the function of this run's FSDP version only); under FSDP2 its preparation leaves frozen parameters in the dtype
-they were loaded in (:func:`patch_frozen_dtype`)."""
+they were loaded in and holds no second copy of the model (:func:`patch_setup_memory`)."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from .. import _patch, wrapping
@@ -102,13 +103,52 @@ def upcast_skips_frozen(model: Any, before: dict):
         model.__dict__.pop("to", None)
 
 
-def patch_frozen_dtype() -> list[Callable[[], None]]:
-    """accelerate's ``fsdp2_prepare_model`` (<= 1.11; 1.15 upcasts trainable parameters only) upcasts every parameter
-    to fp32 under mixed precision (fp32 master weights for the optimizer). A frozen parameter is never updated, so its
-    fp32 shard only doubles its memory -- the whole frozen base model under LoRA. This patch keeps them out of the
-    upcast (:func:`upcast_skips_frozen`) and casts back any that another upcast path still made fp32: exact (the values
-    came from that dtype, and FSDP2 all-gathers them in its ``param_dtype`` either way); trainable parameters keep
-    accelerate's fp32."""
+class _StateDictOnRead(Mapping):
+    """The model's state dict, taken only when first read (``original_sd`` below)."""
+
+    def __init__(self, model: Any) -> None:
+        self._model, self._sd = model, None
+
+    def _get(self) -> dict:
+        if self._sd is None:
+            self._sd = type(self._model).state_dict(self._model)
+        return self._sd
+
+    def __getitem__(self, key):
+        return self._get()[key]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
+@contextlib.contextmanager
+def originals_not_held(model: Any):
+    """While inside, ``model.state_dict()`` returns a mapping that takes the state dict only when read. accelerate's
+    ``fsdp2_prepare_model`` takes ``original_sd = model.state_dict()`` before sharding and reads it only under
+    ``cpu_ram_efficient_loading`` (to load rank 0's weights into the shards); otherwise it holds every original
+    parameter until it returns -- a second copy of the whole model beside its new shards. Used only where that option
+    is off; a version that reads it anyway gets the real state dict then. A per-instance attribute, removed on exit."""
+    model.state_dict = lambda *args, **kwargs: (_StateDictOnRead(model) if not args and not kwargs
+                                                 else type(model).state_dict(model, *args, **kwargs))
+    try:
+        yield
+    finally:
+        model.__dict__.pop("state_dict", None)
+
+
+def patch_setup_memory() -> list[Callable[[], None]]:
+    """Two set-up costs of accelerate's ``fsdp2_prepare_model``, exact to leave out, at its one patch point:
+
+    * under mixed precision it upcasts every parameter to fp32 (<= 1.11; 1.15 upcasts trainable ones only): fp32 master
+      weights for the optimizer. A frozen parameter is never updated, so its fp32 shard only doubles its memory -- the
+      whole frozen base model under LoRA. :func:`upcast_skips_frozen` keeps frozen 16-bit ones out of the upcast and
+      :func:`keep_frozen_dtype` casts back any another path still made fp32 (the values came from that dtype, and
+      FSDP2 all-gathers them in its ``param_dtype`` either way); trainable parameters keep accelerate's fp32.
+    * without ``cpu_ram_efficient_loading`` it holds the original state dict it never reads until it returns
+      (:func:`originals_not_held`)."""
     try:
         from accelerate import accelerator as acc
     except ImportError:  # pragma: no cover
@@ -118,16 +158,25 @@ def patch_frozen_dtype() -> list[Callable[[], None]]:
     def make(original):
         def fsdp2_prepare_model(accelerator, model, *args, **kwargs):
             before = frozen_dtypes(model)
-            with upcast_skips_frozen(model, before) as skipped:
+            plugin = getattr(accelerator.state, "fsdp_plugin", None)
+            held = contextlib.nullcontext() if getattr(plugin, "cpu_ram_efficient_loading", True) else \
+                originals_not_held(model)
+            with upcast_skips_frozen(model, before) as skipped, held:
                 model = original(accelerator, model, *args, **kwargs)
             n, saved = keep_frozen_dtype(model, before)  # any that another upcast path made fp32
             kept = [p for p in model.parameters() if id(p) in skipped]  # FSDP2's _apply keeps the Parameter objects
             saved += sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 2 for p in kept)
-            if (kept or n) and not said:
+            said_now = []
+            if kept or n:
+                said_now.append(f"{len(kept) + n} frozen parameter(s) kept in the dtype they were loaded in "
+                                f"({saved / GIB:.2f} GiB less on this rank than fp32; accelerate's mixed precision "
+                                "upcasts every parameter, a frozen one is never updated)")
+            if not isinstance(held, contextlib.nullcontext):
+                said_now.append("the original weights freed as they were sharded (accelerate held them, unread, "
+                                "until the model was ready)")
+            if said_now and not said:
                 said.append(True)
-                info_rank0(f"[liger_fsdp] FSDP2: {len(kept) + n} frozen parameter(s) kept in the dtype they were loaded "
-                           f"in ({saved / GIB:.2f} GiB less on this rank than fp32): accelerate's mixed precision "
-                           "upcasts every parameter to fp32, a frozen one is never updated.")
+                info_rank0("[liger_fsdp] FSDP2: " + "; ".join(said_now) + ".")
             return model
 
         return fsdp2_prepare_model
@@ -135,8 +184,10 @@ def patch_frozen_dtype() -> list[Callable[[], None]]:
     try:
         _patch.require_params(getattr(acc, "fsdp2_prepare_model", None), ("accelerator", "model"),
                               "fsdp2_prepare_model")
-        patch = _patch.apply(acc, "fsdp2_prepare_model", make, "FSDP2: frozen parameters stay in their loaded dtype")
+        patch = _patch.apply(acc, "fsdp2_prepare_model", make,
+                             "FSDP2: frozen parameters stay in their loaded dtype, the originals are not held")
     except (_patch.PatchError, TypeError) as exc:
-        info_rank0(f"[liger_fsdp] warning: {exc}. Frozen parameters stay in accelerate's fp32 (memory only).")
+        info_rank0(f"[liger_fsdp] warning: {exc}. Frozen parameters stay in accelerate's fp32 and its set-up holds a "
+                   "copy of the model (memory only).")
         return []
     return [] if patch is None else [lambda: _patch.undo(acc, "fsdp2_prepare_model")]

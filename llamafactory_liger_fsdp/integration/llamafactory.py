@@ -184,7 +184,7 @@ def engage_model(model: Any, cfg: config.LigerFsdpConfig, finetuning_args: Any =
     if kind in (sharding.FSDP1, sharding.FSDP2):
         engage.record(model, accelerate.patch_wrap_policy(cfg.sharding.fsdp_version))
     if kind == sharding.FSDP2:
-        engage.record(model, accelerate.patch_frozen_dtype())
+        engage.record(model, accelerate.patch_setup_memory())
     if cfg.label_smoothing:
         engage.record(model, trainer.patch_label_smoothing())
     if stage in refusals.PREFERENCE_STAGES:
