@@ -179,6 +179,27 @@ def _compute_dtype():
         module.load_model = load_model
 
 
+def _twin_own_storage():
+    """The twin's weights in allocations of their own, as on a GPU: on the CPU transformers leaves the loaded tensors
+    views of the checkpoint file, read into one storage that lives while any of them does (one allocation of the
+    whole model in the profile, where a GPU has a copy per tensor that frees with it)."""
+    import importlib
+
+    import torch
+
+    for name in ("llamafactory.train.sft.workflow", "llamafactory.train.dpo.workflow", "llamafactory.train.kto.workflow"):
+        module = importlib.import_module(name)
+        original = module.load_model
+
+        def load_model(*args, _original=original, **kwargs):
+            model = _original(*args, **kwargs)
+            with torch.no_grad():
+                model._apply(lambda t: t.clone())
+            return model
+
+        module.load_model = load_model
+
+
 def main():
     yaml_path, out = sys.argv[1], sys.argv[2]
     sys.argv = [sys.argv[0], yaml_path]
@@ -199,6 +220,7 @@ def main():
     twin = int(os.environ.get(TWIN_ENV, "0") or 0)
     if twin:
         print(f"[lf_bench] twin 1/{twin}: {', '.join(twin_setup(twin))}", flush=True)
+        _twin_own_storage()
     # split the forward+backward peak: forward (to the loss) vs backward (accelerator.backward)
     import accelerate
 
