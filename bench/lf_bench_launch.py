@@ -181,23 +181,25 @@ def _compute_dtype():
 
 def _twin_own_storage():
     """The twin's weights in allocations of their own, as on a GPU: on the CPU transformers leaves the loaded tensors
-    views of the checkpoint file, read into one storage that lives while any of them does (one allocation of the
-    whole model in the profile, where a GPU has a copy per tensor that frees with it)."""
-    import importlib
-
+    views of the checkpoint file, read into one storage that lives while any of them does (one allocation of the whole
+    model, where a GPU has a copy per tensor that frees with it). ``from_pretrained`` runs inside the CPU-only scope
+    (``ops.upcast.SCOPE``: the twin leaves its allocations and their frees out) and each loaded tensor is then copied
+    once, outside it."""
     import torch
+    import transformers
 
-    for name in ("llamafactory.train.sft.workflow", "llamafactory.train.dpo.workflow", "llamafactory.train.kto.workflow"):
-        module = importlib.import_module(name)
-        original = module.load_model
+    from llamafactory_liger_fsdp.ops import upcast
 
-        def load_model(*args, _original=original, **kwargs):
-            model = _original(*args, **kwargs)
-            with torch.no_grad():
-                model._apply(lambda t: t.clone())
-            return model
+    original = transformers.PreTrainedModel.from_pretrained.__func__
 
-        module.load_model = load_model
+    def from_pretrained(cls, *args, **kwargs):
+        with torch.profiler.record_function(upcast.SCOPE):
+            model = original(cls, *args, **kwargs)
+        with torch.no_grad():
+            model._apply(lambda t: t.clone())
+        return model
+
+    transformers.PreTrainedModel.from_pretrained = classmethod(from_pretrained)
 
 
 def main():
