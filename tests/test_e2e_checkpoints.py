@@ -124,6 +124,14 @@ def test_rank_killed_while_saving(assets, reference, tmp_path):
     print("killed-in-save resume rel diff", _assert_curve(step_losses(out), ref, range(1, 7)))
 
 
+def _why_it_failed(log: str) -> str:
+    """The log's tail and, before it, the lines of a native abort or of rank 0 from anywhere in the log (a rank that
+    aborts in C++ -- seen once: rank 0 SIGABRT in the resumed run -- leaves its cause far above the tail)."""
+    marks = ("[rank0]", "terminate called", "what():", "SIGABRT", "Signal 6", "Fatal Python error", "gloo")
+    lines = [line for line in log.splitlines() if any(m in line for m in marks)]
+    return "\n".join(lines[-60:]) + "\n----- tail -----\n" + log[-4000:]
+
+
 def test_rank_killed_mid_step(assets, reference, tmp_path):
     """Rank 1 dies inside step 5: checkpoint-4 is complete and the auto-resume continues from it."""
     _, ref, _ = reference
@@ -131,7 +139,7 @@ def test_rank_killed_mid_step(assets, reference, tmp_path):
     rc, log, _ = run_cli(_yaml(assets, out), nproc=2, extra_env={"CPU_FSDP_SHIM_KILL": "step:5:1"})
     assert rc != 0 and "[cpu_fsdp_shim] killing rank 1 in step 5" in log
     rc, log, _ = run_cli(_yaml(assets, out), nproc=2)
-    assert rc == 0, log[-6000:]
+    assert rc == 0, _why_it_failed(log)
     assert "Resuming training from checkpoint with epoch 0 and global step 4" in log
     assert "is incomplete" not in log
     print("killed-mid-step resume rel diff", _assert_curve(step_losses(out), ref, range(1, 7)))
