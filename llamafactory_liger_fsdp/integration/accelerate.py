@@ -58,6 +58,11 @@ def frozen_dtypes(model: Any) -> dict:
     return {n: p.dtype for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()}
 
 
+def _fp32_bytes_over_16bit(params: list) -> int:
+    """What fp32 would cost this rank beyond 16 bits for ``params`` (their local shards)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 2 for p in params)
+
+
 def keep_frozen_dtype(model: Any, before: dict) -> tuple[int, int]:
     """Cast back the frozen parameters that ``before`` (name -> dtype) saw in 16 bits and that are fp32 now (FSDP2's
     ``_apply`` re-registers the shards); returns (parameters, bytes saved on this rank)."""
@@ -67,8 +72,7 @@ def keep_frozen_dtype(model: Any, before: dict) -> tuple[int, int]:
           if n in before and not p.requires_grad and p.dtype == torch.float32 and before[n].itemsize == 2}
     if not to:
         return 0, 0
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters() if id(p) in to]
-    saved = sum(t.numel() * 2 for t in local)
+    saved = _fp32_bytes_over_16bit([p for p in model.parameters() if id(p) in to])
     with torch.no_grad():
         model._apply(lambda t: t.to(to[id(t)]) if id(t) in to else t)
     return len(to), saved
@@ -158,20 +162,20 @@ def patch_setup_memory() -> list[Callable[[], None]]:
     def make(original):
         def fsdp2_prepare_model(accelerator, model, *args, **kwargs):
             before = frozen_dtypes(model)
-            plugin = getattr(accelerator.state, "fsdp_plugin", None)
-            held = contextlib.nullcontext() if getattr(plugin, "cpu_ram_efficient_loading", True) else \
-                originals_not_held(model)
+            reads_originals = getattr(getattr(accelerator.state, "fsdp_plugin", None), "cpu_ram_efficient_loading",
+                                      True)
+            held = contextlib.nullcontext() if reads_originals else originals_not_held(model)
             with upcast_skips_frozen(model, before) as skipped, held:
                 model = original(accelerator, model, *args, **kwargs)
             n, saved = keep_frozen_dtype(model, before)  # any that another upcast path made fp32
             kept = [p for p in model.parameters() if id(p) in skipped]  # FSDP2's _apply keeps the Parameter objects
-            saved += sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 2 for p in kept)
+            saved += _fp32_bytes_over_16bit(kept)
             said_now = []
             if kept or n:
                 said_now.append(f"{len(kept) + n} frozen parameter(s) kept in the dtype they were loaded in "
                                 f"({saved / GIB:.2f} GiB less on this rank than fp32; accelerate's mixed precision "
                                 "upcasts every parameter, a frozen one is never updated)")
-            if not isinstance(held, contextlib.nullcontext):
+            if not reads_originals:
                 said_now.append("the original weights freed as they were sharded (accelerate held them, unread, "
                                 "until the model was ready)")
             if said_now and not said:
