@@ -450,12 +450,19 @@ def twin_spec(spec: dict, s: int) -> dict:
 
 
 def twin_setup(s: int) -> list:
-    """In a twin's training process: divide the package's absolute sizes (``TWIN_SIZES``) by ``s`` (or s^2), and
-    make dropout keep a bool mask as CUDA's fused kernel does (the CPU's ``F.dropout`` keeps it in the input's dtype:
-    4x the bytes for v1's fp32 LoRA inputs). Returns what was done, ``[name=value]``."""
+    """In a twin's training process: divide the package's absolute sizes (``TWIN_SIZES``) by ``s`` (or s^2), make
+    dropout keep a bool mask as CUDA's fused kernel does (the CPU's ``F.dropout`` keeps it in the input's dtype: 4x
+    the bytes for v1's fp32 LoRA inputs), and give loaded weights allocations of their own, as on a GPU: on the CPU
+    transformers leaves them views of the checkpoint file, read into one storage that lives while any view does (one
+    allocation of the whole model, where a GPU has a copy per tensor that frees with it) -- ``from_pretrained`` runs
+    inside the CPU-only scope (``ops.upcast.SCOPE``: the twin leaves its allocations and their frees out) and each
+    loaded tensor is then copied once, outside it. Returns what was done, ``[name=value]``."""
     import importlib
 
     import torch
+    import transformers
+
+    from llamafactory_liger_fsdp.ops import upcast
 
     done = []
     for module, name, power in TWIN_SIZES:
@@ -468,6 +475,17 @@ def twin_setup(s: int) -> list:
 
     torch.nn.functional.dropout = dropout
     done.append("F.dropout=native_dropout (bool mask)")
+    from_pretrained = transformers.PreTrainedModel.from_pretrained.__func__
+
+    def own_storage(cls, *args, **kwargs):
+        with torch.profiler.record_function(upcast.SCOPE):
+            model = from_pretrained(cls, *args, **kwargs)
+        with torch.no_grad():
+            model._apply(lambda t: t.clone())
+        return model
+
+    transformers.PreTrainedModel.from_pretrained = classmethod(own_storage)
+    done.append("from_pretrained: each loaded tensor its own copy")
     return done
 
 

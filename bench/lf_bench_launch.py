@@ -179,29 +179,6 @@ def _compute_dtype():
         module.load_model = load_model
 
 
-def _twin_own_storage():
-    """The twin's weights in allocations of their own, as on a GPU: on the CPU transformers leaves the loaded tensors
-    views of the checkpoint file, read into one storage that lives while any of them does (one allocation of the whole
-    model, where a GPU has a copy per tensor that frees with it). ``from_pretrained`` runs inside the CPU-only scope
-    (``ops.upcast.SCOPE``: the twin leaves its allocations and their frees out) and each loaded tensor is then copied
-    once, outside it."""
-    import torch
-    import transformers
-
-    from llamafactory_liger_fsdp.ops import upcast
-
-    original = transformers.PreTrainedModel.from_pretrained.__func__
-
-    def from_pretrained(cls, *args, **kwargs):
-        with torch.profiler.record_function(upcast.SCOPE):
-            model = original(cls, *args, **kwargs)
-        with torch.no_grad():
-            model._apply(lambda t: t.clone())
-        return model
-
-    transformers.PreTrainedModel.from_pretrained = classmethod(from_pretrained)
-
-
 def main():
     yaml_path, out = sys.argv[1], sys.argv[2]
     sys.argv = [sys.argv[0], yaml_path]
@@ -222,7 +199,6 @@ def main():
     twin = int(os.environ.get(TWIN_ENV, "0") or 0)
     if twin:
         print(f"[lf_bench] twin 1/{twin}: {', '.join(twin_setup(twin))}", flush=True)
-        _twin_own_storage()
     # split the forward+backward peak: forward (to the loss) vs backward (accelerator.backward)
     import accelerate
 
