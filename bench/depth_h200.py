@@ -513,7 +513,8 @@ def plot(rows, ladder, folder, smoke):
         if above:
             ax.plot(math.log2(min(above)), i, "rx", markersize=9)
         if fit:
-            note = f"; {short(min(above))} does not fit" if above else ""
+            note = (f"; {short(min(above))} does not fit" if above else
+                    "" if c >= ladder[-1] else "; longer not run")
             ax.text(math.log2(max([c] + above[:1])) + 0.2, i, f"{short(c)}: {tps / 1e3:.2f}k tok/s, {peak:.1f} GiB{note}",
                     va="center", fontsize=8)
     ax.set_yticks(range(len(variants)), variants)
