@@ -147,6 +147,9 @@ def test_train_command_activates_without_the_pth_hook(assets, tmp_path):
     cfg = base_yaml(assets, tmp_path / "on", liger_fsdp=True, max_steps=2)
     # no other sitecustomize on the path (the CPU FSDP shim is one): DDP on 2 ranks
     rc, log, losses = run_cli(cfg, nproc=2, extra_env=no_pth, module_train=True, shim=False)
+    # Known, not fixed: with both cores busy, rank 1 aborted ("terminate called without an active exception", SIGABRT)
+    # after training while rank 0 saved, in 3 of 49 runs (0 of 16 idle) -- the gloo exit race the CPU shim and
+    # tests/support/dist.py step around; this run has no shim by design, and LLaMA-Factory destroys its group unbarriered.
     assert rc == 0, log[-6000:]
     assert "[liger_fsdp] engaged: head=modules_to_save (lm_head), sharding=DDP" in log and len(losses) == 2
     assert "sitecustomize" not in log, log[-6000:]  # was: "Error in sitecustomize ... KeyError" in every worker
