@@ -7,7 +7,7 @@ imports torch at import time, so a caller that must not hold a CUDA context (ben
 * row fields: :func:`now` (UTC, seconds), :func:`versions` (package versions), :func:`commit` (this repository's),
   :func:`card` (nvidia-smi's name, no torch), :func:`gpu_meta` (the kernel benches' card / date / versions fields, through torch)
 * JSON: :func:`dump_json` (atomic), :func:`load_rows` / :func:`save_rows` / :func:`append_row` (``{"rows": [...]}``;
-  a bare list is read too)
+  a bare list is read too), :func:`rows_for_card` (an ``h200_*.json`` path is redirected when the card is not an H200)
 * GPU timing and inputs: :func:`cuda_ms`, :func:`matmul_tflops`, :func:`make_inputs` (hidden, head, labels of the
   fused loss), :func:`flce_impl` (a fused-loss implementation by name)
 * LLaMA-Factory runs: ``MODELS`` (real-head shapes), ``VARIANTS`` (yaml keys per variant), :func:`build` (a model
@@ -133,6 +133,18 @@ def save_rows(path: str, rows: list) -> None:
 
 def append_row(path: str, row: dict) -> None:
     save_rows(path, load_rows(path) + [row])
+
+
+def rows_for_card(path: str, card_name: str) -> str:
+    """``path``, or where its rows go on this card: the device tool may hand an H100 to a call that named the H200,
+    and an ``h200_*.json`` must hold H200 rows only (their tables and planners compare rows across calls), so on
+    another GPU ``h200_x.json`` becomes ``h100_x.json`` (``gpu_x.json`` for any other card) beside it, said once."""
+    base = os.path.basename(path)
+    if not base.startswith("h200_") or "H200" in card_name or card_name.startswith("cpu"):
+        return path
+    other = os.path.join(os.path.dirname(path), ("h100_" if "H100" in card_name else "gpu_") + base[len("h200_"):])
+    print(f"[bench] this card is {card_name.split(',')[0]}, not an H200: rows go to {other}, not {path}", flush=True)
+    return other
 
 
 # ---------------------------------------------------------------------------------------------------------- GPU timing

@@ -35,7 +35,7 @@ import tempfile
 import time
 
 from common import (DEPTH_MODEL, MAKE_ASSETS, MODELS, ROOT, append_row, build_depth_model, card, filling_words,
-                    load_rows, log_line, now, run, versions)
+                    load_rows, log_line, now, rows_for_card, run, versions)
 
 VARIANTS = {"plain": "plain", "plugin": "liger_fsdp_auto"}  # row variant -> bench/common.py's VARIANTS key
 WORDS = "the image shows a red blue green square circle cat dog on left right top bottom what color shape is".split()
@@ -259,6 +259,7 @@ def main():
     commit_file = os.path.join(ROOT, ".whl", "PLUGIN_COMMIT")
     meta = {"card": "cpu (smoke)" if args.smoke else card(), "versions": versions(), "session": now(),
             "commit": open(commit_file).read().strip() if os.path.exists(commit_file) else None}
+    out = rows_for_card(out, meta["card"])
     t0, longest, skipped = time.monotonic(), 0.0, []
     for r in range(args.runs):
         for cutoff in cutoffs:

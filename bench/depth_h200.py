@@ -49,7 +49,7 @@ import tempfile
 import time
 
 from common import (DEPTH_MODEL, MAKE_ASSETS, MODELS, ROOT, append_row, build_depth_model, card, ds_json, load_rows,
-                    log_line, now, run, versions)
+                    log_line, now, rows_for_card, run, versions)
 from common import VARIANTS as RUN_VARIANTS
 
 SPEC = MODELS[DEPTH_MODEL["spec"]]
@@ -354,6 +354,7 @@ def main():
     commit_file = os.path.join(ROOT, ".whl", "PLUGIN_COMMIT")
     meta = {"card": "cpu (smoke)" if smoke else card(), "versions": versions(), "session": now(),
             "commit": open(commit_file).read().strip() if os.path.exists(commit_file) else None}
+    out = rows_for_card(out, meta["card"])
     print(f"[depth] {meta['card']}; " + " ".join(f"{k} {v}" for k, v in meta["versions"].items() if v), flush=True)
     mdir = asset_dir(work, smoke) if args.dry_run else assets(work, smoke)
     planner, done, skipped = Planner(args, ladder), [], []

@@ -37,8 +37,11 @@ install_stack() {  # the plugin's wheel pip-installed for real (its .pth hook mu
   install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
   export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 }
-keep_rows() {  # $OUT/$1 starts as a copy of bench/results/$1: the rows so far, appended to (copy it back between calls)
-  if [ -f "bench/results/$1" ] && [ ! -e "$OUT/$1" ]; then cp "bench/results/$1" "$OUT/$1"; fi
+keep_rows() {  # $OUT/$1 starts as a copy of bench/results/$1: the rows so far, appended to (copy it back between calls);
+  # so does its h100_ twin, where the scripts put the rows of a call that got an H100 (common.rows_for_card)
+  for f in "$1" "h100_${1#h200_}"; do
+    if [ -f "bench/results/$f" ] && [ ! -e "$OUT/$f" ]; then cp "bench/results/$f" "$OUT/$f"; fi
+  done
 }
 case "${1:-kernel}" in
   kernel|kernel-only)

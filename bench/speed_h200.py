@@ -30,7 +30,8 @@ import sys
 import tempfile
 import time
 
-from common import MAKE_ASSETS, MODELS, ROOT, build, ds_json, dump_json, load_rows, log_line, now, run, versions
+from common import (MAKE_ASSETS, MODELS, ROOT, build, card, ds_json, dump_json, load_rows, log_line, now, rows_for_card, run,
+                    versions)
 
 SPEC = MODELS["llama3-8b"]
 KEYS = {"plain": "plain", "liger": "liger", "plugin": "liger_fsdp_auto", "plugin+liger": "liger+liger_fsdp",
@@ -149,6 +150,8 @@ def main():
                        os.path.join(ROOT, "bench", "results", "h200_speed.json"))
     work = args.work or ("/tmp/speed_smoke" if smoke else "/tmp/real_size")
     os.makedirs(work, exist_ok=True)
+    if not smoke and not args.dry_run:
+        out = rows_for_card(out, card())
     existing, vers, session = load_rows(out), versions(), now()
     device = "cpu (smoke)" if smoke else None
     done, skipped, walls = [], [], []

@@ -33,7 +33,7 @@ import tempfile
 import time
 
 from common import (MAKE_ASSETS, MODELS, ROOT, TWIN_ENV, append_row, build, card, commit, error_line, filling_words,
-                    log_line, now, twin_groups, twin_lines, twin_spec, versions)
+                    log_line, now, rows_for_card, twin_groups, twin_lines, twin_spec, versions)
 
 HEAD_ONLY = ["lm_head"]
 SEED = ["lm_head", "embed_tokens"]
@@ -152,6 +152,7 @@ def main() -> None:
     variants = args.variants.split(",")
     meta = {"date": now(), "card": "cpu" if args.twin else card(), "versions": versions(), "smoke": args.smoke,
             "commit": commit()}
+    out = rows_for_card(out, meta["card"])
     print(f"{'run':>3} {'variant':12} {'fits':>5} {'tokens/s':>10} {'peak GiB':>9}  step-1 loss")
     for r in range(args.runs):
         for variant in (variants if r % 2 == 0 else variants[::-1]):
