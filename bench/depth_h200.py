@@ -18,7 +18,9 @@ Phases (--plan, in order; each draws its next run from the rows so far, the earl
   lean    plugin-lean and plugin-lean+liger at the cutoff where memory decides: the plugin's first failing cutoff
           where Liger fits, else the plugin's longest
   zero3   the plugin under DeepSpeed ZeRO-3 as shipped (bench/common.py's ds_json) at --zero3-cutoffs, --zero3-steps
-          steps (its steps 2-4 are DeepSpeed's warm-up)
+          steps (its steps 2-4 are DeepSpeed's warm-up); sharding zero3-persist (--runs only) is the same with every
+          parameter persistent (stage3_param_persistence_threshold 1e11: no per-layer gather / release), to attribute
+          ZeRO-3's gap to FSDP2
   fill    the cutoffs from --fill-from up that a variant has not run below its longest (64k, 16k, 8k, ...)
 --runs SHARDING:VARIANT:CUTOFF[:STEPS],... runs those first, whatever the rows hold.
 
@@ -67,6 +69,7 @@ VARIANTS = {
     "plugin-noguard": ("liger_fsdp_noguard", {}),  # liger_fsdp_guard: false (step 1's time without the guard)
 }
 MAIN4 = ("plain", "liger", "plugin", "plugin+liger")
+SHARDINGS = ("fsdp2", "zero3", "zero3-persist")
 PAIRS = (("plain", "plugin"), ("liger", "plugin+liger"))  # the speed targets' pairs
 SETUP = ("Llama-3-8B shape, 32 layers, LoRA r16 all + embed_tokens,lm_head, bf16, packing, gradient checkpointing, "
          "world size 1")
@@ -121,13 +124,13 @@ class Planner:
 
     def _parse(self, text):
         parts = text.split(":")
-        if len(parts) not in (3, 4) or parts[1] not in VARIANTS or parts[0] not in ("fsdp2", "zero3"):
+        if len(parts) not in (3, 4) or parts[1] not in VARIANTS or parts[0] not in SHARDINGS:
             raise SystemExit(f"--runs: {text!r} is not SHARDING:VARIANT:CUTOFF[:STEPS] "
-                             f"(fsdp2|zero3, one of {', '.join(VARIANTS)})")
+                             f"({'|'.join(SHARDINGS)}, one of {', '.join(VARIANTS)})")
         return parts[0], parts[1], int(parts[2]), int(parts[3]) if len(parts) == 4 else None
 
     def steps(self, sharding, cutoff):
-        if sharding == "zero3":
+        if sharding.startswith("zero3"):
             return self.args.zero3_steps
         return self.args.long_steps if self.args.long_steps and cutoff >= self.args.long_from else self.args.steps
 
@@ -259,8 +262,9 @@ def run_args(work, mdir, sharding, variant, cutoff, smoke):
     key, extra = VARIANTS[variant]
     cfg = {"dataset": "tiny_alpaca", "tokenized_path": os.path.join(mdir, f"tokenized_sft_{cutoff}"), **extra}
     env = {}
-    if sharding == "zero3" and not smoke:
-        cfg.update(fsdp=None, fsdp_config=None, deepspeed=ds_json(work))
+    if sharding.startswith("zero3") and not smoke:
+        persistence = 1e11 if sharding == "zero3-persist" else None
+        cfg.update(fsdp=None, fsdp_config=None, deepspeed=ds_json(work, persistence=persistence))
     if smoke:  # one CPU process: no FSDP / DeepSpeed, fp32; Liger's loss only, interpreted
         cfg.update(fsdp=None, fsdp_config=None, bf16=None, use_cpu=True, preprocessing_num_workers=None)
         env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", LF_BENCH_LIGER_LOSS_ONLY="1",
@@ -476,6 +480,11 @@ def targets(rows, ladder):
             ulps = {v: bf16_ulps(x, ref) for v, x in first.items()}
             out.append(f"step-1 loss at {short(c)}: " + ", ".join(f"{v} {x:.5f}" for v, x in first.items())
                        + f" -> max {max(ulps.values()):.2f} bf16 ulp of {'plain' if 'plain' in first else 'the first'}")
+    for c in sorted({r["cutoff"] for r in rows if r["sharding"] == "zero3-persist"}):
+        z, f = (median_of(rows, "tokens_per_s", s, "plugin", c) for s in ("zero3-persist", "fsdp2"))
+        if z and f:
+            out.append(f"ZeRO-3 plugin at {short(c)}, every parameter persistent (attribution, not a target): "
+                       f"{z:.0f} vs FSDP2 {f:.0f} tok/s = {z / f:.3f}x")
     for c in sorted({r["cutoff"] for r in rows if r["sharding"] == "zero3"}):
         z, f = (median_of(rows, "tokens_per_s", s, "plugin", c) for s in ("zero3", "fsdp2"))
         zr = runs_of(rows, "zero3", "plugin", c)
