@@ -6,6 +6,7 @@ sharded), and one process for LoRA on the head. With `liger_fsdp: true` the per-
 those of the same run without the flag."""
 
 import re
+import warnings
 
 import pytest
 
@@ -147,11 +148,16 @@ def test_train_command_activates_without_the_pth_hook(assets, tmp_path):
     cfg = base_yaml(assets, tmp_path / "on", liger_fsdp=True, max_steps=2)
     # no other sitecustomize on the path (the CPU FSDP shim is one): DDP on 2 ranks
     rc, log, losses = run_cli(cfg, nproc=2, extra_env=no_pth, module_train=True, shim=False)
-    # Known, not fixed: with both cores busy, rank 1 aborted ("terminate called without an active exception", SIGABRT)
-    # after training while rank 0 saved, in 3 of 94 runs (0 of 16 idle; 0 of 68 more with 2-3 busy loops, 2026-12-05) --
-    # the gloo exit race the CPU shim and tests/support/dist.py step around; this run has no shim by design. Measured:
-    # under DDP, torch keeps the gloo group (its two pt_gloo_runloop threads) alive past LLaMA-Factory's unbarriered
-    # destroy_process_group and a gc.collect() (not so without DDP), so the group is only torn down by the process exit.
+    # Known, not ours: with both cores busy, rank 1 aborted ("terminate called without an active exception", SIGABRT)
+    # after training while rank 0 saved, in 3 of 162 runs (0 of 16 idle) -- the gloo exit race the CPU shim and
+    # tests/support/dist.py step around; this run has no shim by design. Measured: under DDP, torch keeps the gloo group
+    # (its two pt_gloo_runloop threads) alive past LLaMA-Factory's unbarriered destroy_process_group and a gc.collect()
+    # (not so without DDP), so the group is only torn down by the process exit. That exact abort, after both steps
+    # were logged, is run once more in a fresh directory; the second run must pass whole.
+    if rc != 0 and "terminate called without an active exception" in log and len(losses) == 2:
+        warnings.warn("gloo exit abort after training (torch's DDP teardown race); running once more")
+        cfg = base_yaml(assets, tmp_path / "on_again", liger_fsdp=True, max_steps=2)
+        rc, log, losses = run_cli(cfg, nproc=2, extra_env=no_pth, module_train=True, shim=False)
     assert rc == 0, log[-6000:]
     assert "[liger_fsdp] engaged: head=modules_to_save (lm_head), sharding=DDP" in log and len(losses) == 2
     assert "sitecustomize" not in log, log[-6000:]  # was: "Error in sitecustomize ... KeyError" in every worker
