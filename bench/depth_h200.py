@@ -314,7 +314,7 @@ def one_run(args, rows, work, mdir, sharding, variant, cutoff, steps, timeout, m
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--plan", default="sweep,repeat,lean,zero3,fill")
+    ap.add_argument("--plan", default="sweep,repeat,lean,zero3,fill", help="phases after --runs; none: --runs only")
     ap.add_argument("--variants", default=",".join(MAIN4), help="the sweep's (and fill's) variants")
     ap.add_argument("--runs", default=None, help="SHARDING:VARIANT:CUTOFF[:STEPS],... run first")
     ap.add_argument("--start", type=int, default=None, help="the sweep's first cutoff (default 32768; smoke 128)")
@@ -362,7 +362,7 @@ def main():
     print(f"[depth] {meta['card']}; " + " ".join(f"{k} {v}" for k, v in meta["versions"].items() if v), flush=True)
     mdir = asset_dir(work, smoke) if args.dry_run else assets(work, smoke)
     planner, done, skipped = Planner(args, ladder), [], []
-    for phase in ["explicit"] + args.plan.split(","):
+    for phase in ["explicit"] + [p for p in args.plan.split(",") if p not in ("", "none")]:
         while True:
             rows = mine(load_rows(out), smoke)
             nxt = planner.next(phase, rows)

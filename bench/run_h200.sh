@@ -22,7 +22,7 @@
 #   DPO_ARGS="--runs 2" bash bench/run_h200.sh dpo   # bench/depth_dpo_vlm_h200.py dpo (32-layer Llama-3-8B, 2k/8k a side)
 #   VLM_ARGS="--runs 2" bash bench/run_h200.sh vlm   # ... vlm (Qwen2.5-VL-7B at depth, images); both append to
 #                                   # $OUT/h200_depth.json like depth (copy it back between calls); under PART_LIMIT s
-# Wheels that the image lacks travel in .whl/ (see bench/RESULTS.md); results go to $OUT (or bench/results).
+# Wheels that the image lacks travel in .whl/ (built by bench/make_wheels.sh); results go to $OUT (or bench/results).
 # Every bench script imports bench/common.py (found next to it) and the package llamafactory_liger_fsdp: the cases
 # below install it or put the checkout on PYTHONPATH; the one-shot kernel probes (bench/gemm_shapes.py,
 # lean_tiles.py, lora_head_kernel.py, profile_flce.py, start_cost.py, stats_pass.py, triton_gemm_probe.py) are run
