@@ -4,7 +4,8 @@
 #   bash bench/make_wheels.sh            # from the repository root; needs the registries and .venv (scripts/setup.sh)
 # The image runs CPython 3.12 on x86_64. DeepSpeed is published as a source archive only: it is built here into a
 # pure-Python wheel (DS_BUILD_OPS=0, ops compiled at first use as DeepSpeed does by default), with its small
-# dependencies beside it; without it every ZeRO-3 run ends in "DeepSpeed is not available".
+# dependencies beside it (pydantic too: the image has none); without it every ZeRO-3 run ends in "DeepSpeed is not
+# available". Checked by importing deepspeed.runtime.zero.stage3 in a venv holding only torch and these wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
@@ -16,7 +17,8 @@ get() {
 }
 get liger-kernel==0.8.5 cut-cross-entropy==25.1.1 llamafactory==0.9.5 transformers==5.6.0 peft==0.18.1 \
   accelerate==1.11.0 trl==0.24.0 datasets==4.0.0 tokenizers==0.22.2 omegaconf==2.4.0 dill==0.3.8 \
-  multiprocess==0.70.16 torchdata==0.11.0 hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 py-cpuinfo==9.0.0 einops==0.8.2
+  multiprocess==0.70.16 torchdata==0.11.0 hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 py-cpuinfo==9.0.0 einops==0.8.2 \
+  pydantic==2.12.3 pydantic_core==2.41.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 PIP_CONSTRAINT=/dev/null python3 -m pip download -q --no-deps --no-binary :all: -d "$tmp" deepspeed==0.19.8
