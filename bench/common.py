@@ -12,7 +12,8 @@ imports torch at import time, so a caller that must not hold a CUDA context (ben
   fused loss), :func:`flce_impl` (a fused-loss implementation by name)
 * LLaMA-Factory runs: ``MODELS`` (real-head shapes), ``VARIANTS`` (yaml keys per variant), :func:`build` (a model
   with random weights + tiny data), :func:`run` (one torchrun launch of bench/lf_bench_launch.py -> its row),
-  :func:`log_line`, :func:`error_line`, ``ZERO3`` / :func:`ds_json` (the DeepSpeed json), ``DEPTH_MODEL`` /
+  :func:`log_line`, :func:`error_line`, ``ZERO3`` / :func:`ds_json` (the DeepSpeed json), :func:`preflight` (an
+  import a call needs, tried before its model is built), ``DEPTH_MODEL`` /
   :func:`build_depth_model` (the 32-layer Llama-3-8B shape, built in a process of its own), :func:`filling_words`
 * the CPU memory twin: ``TWIN_ENV`` / ``TWIN_SIZES``, :func:`twin_spec`, :func:`twin_setup`, ``AllocationTimeline``,
   :func:`twin_peaks` (in the launched run), :func:`twin_groups` / :func:`twin_lines` (its rows and table)
@@ -299,6 +300,15 @@ def build_depth_model(work: str) -> str:
                         "--answer-words", *map(str, d["answer_words"])], check=True)
         print(f"[bench] built {mdir} in {time.monotonic() - t0:.0f} s", flush=True)
     return mdir
+
+
+def preflight(module: str) -> None:
+    """Import ``module`` in a child of this interpreter (same environment): a call whose runs need it stops here,
+    in seconds, naming the import error and the fix, not after building the model and failing every run."""
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)
+    if proc.returncode:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        raise SystemExit(f"[bench] cannot import {module}: {last}; carry it in .whl/ (bash bench/make_wheels.sh)")
 
 
 def ds_json(work: str, stage: int = 3, persistence: float | None = None) -> str:

@@ -51,7 +51,7 @@ import tempfile
 import time
 
 from common import (DEPTH_MODEL, MAKE_ASSETS, MODELS, ROOT, append_row, build_depth_model, card, ds_json, load_rows,
-                    log_line, now, rows_for_card, run, versions)
+                    log_line, now, preflight, rows_for_card, run, versions)
 from common import VARIANTS as RUN_VARIANTS
 
 SPEC = MODELS[DEPTH_MODEL["spec"]]
@@ -360,9 +360,13 @@ def main():
             "commit": open(commit_file).read().strip() if os.path.exists(commit_file) else None}
     out = rows_for_card(out, meta["card"])
     print(f"[depth] {meta['card']}; " + " ".join(f"{k} {v}" for k, v in meta["versions"].items() if v), flush=True)
-    mdir = asset_dir(work, smoke) if args.dry_run else assets(work, smoke)
     planner, done, skipped = Planner(args, ladder), [], []
-    for phase in ["explicit"] + [p for p in args.plan.split(",") if p not in ("", "none")]:
+    phases = [p for p in args.plan.split(",") if p not in ("", "none")]
+    zero3 = "zero3" in phases or any(sharding.startswith("zero3") for sharding, *_ in planner.explicit)
+    if zero3 and not smoke and not args.dry_run:
+        preflight("deepspeed.runtime.zero.stage3")
+    mdir = asset_dir(work, smoke) if args.dry_run else assets(work, smoke)
+    for phase in ["explicit"] + phases:
         while True:
             rows = mine(load_rows(out), smoke)
             nxt = planner.next(phase, rows)
