@@ -99,7 +99,7 @@ run_stack() {  # called without `||` around it, so `set -e` holds inside; the tw
     exit 1
   fi
   echo "test_stacks.sh: $stack stack unchanged by the plugin's install: $(tr '\n' ' ' < "$v/stack.txt")"
-  export PATH="$v/bin:$PATH" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
+  export PATH="$v/bin:$PATH" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TORCH_EXTENSIONS_DIR="$v/torch_extensions"
   # the main job on this stack: the tiny recipe as shipped, no override key
   out=$(mktemp -d)
   python recipes/tiny_cpu/make_assets.py "$out/tiny_assets" > /dev/null

@@ -14,9 +14,10 @@ if os.environ.get("LLF_LIGER_FSDP_TEST_GPU") != "1":
 import pytest  # noqa: E402
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def assets(tmp_path_factory):
-    """The tiny local model, tokenizer and dataset (recipes/tiny_cpu/make_assets.py), built once per test module."""
+    """The tiny local model, tokenizer and dataset (recipes/tiny_cpu/make_assets.py), built once per test process
+    (about 9 s a build) and only read: runs write to their own output_dir, datasets cache outside it."""
     from support.cli import build
 
     return build(tmp_path_factory.mktemp("assets"))

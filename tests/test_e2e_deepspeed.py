@@ -61,14 +61,17 @@ def test_zero3_engages_and_equals_plain(liger_z3, plain_z3):
     print("ZeRO-3 vs plain, max rel", _same([losses[s] for s in sorted(losses)], plain_z3))
 
 
-@pytest.mark.parametrize("stage, offload", [(3, "both"), (2, "none")])
+@pytest.mark.parametrize("stage, offload", [(3, "param"), (2, "none")])
 def test_other_zero_settings_equal_plain(assets, runs, plain_z3, stage, offload):
-    """ZeRO-3 with LLaMA-Factory's offload config (params and optimizer on the CPU), and ZeRO-2 (weights not
-    partitioned: the head weight is read whole), against the plain ZeRO-3 curve (same math in fp32)."""
+    """ZeRO-3 with the parameters offloaded to the CPU (the head's partitions live there and DeepSpeed's hooks gather
+    them from there), and ZeRO-2 (weights not partitioned: the head weight is read whole), against the plain ZeRO-3
+    curve (same math in fp32). LLaMA-Factory's ds_z3_offload_config also offloads the optimizer: DeepSpeed's own
+    CPU Adam, which never sees the loss, and which DeepSpeed compiles on first use (about 2 minutes on a fresh
+    2-core machine, once timed out a CI run), so it is left out here."""
     out = runs / f"liger_z{stage}_{offload}"
     rc, log, losses = run_cli(base_yaml(assets, out, liger_fsdp=True, **deepspeed(runs, stage, offload)), nproc=2)
     assert rc == 0, log[-6000:]
-    label = f"DeepSpeed ZeRO-{stage}" + (" (param offload cpu, optimizer offload cpu)" if offload == "both" else "")
+    label = f"DeepSpeed ZeRO-{stage}" + (" (param offload cpu)" if offload == "param" else "")
     assert f"sharding={label}," in log, [l for l in log.splitlines() if "engaged" in l]
     print(f"ZeRO-{stage} {offload} vs plain, max rel", _same(losses, plain_z3))
 

@@ -21,15 +21,25 @@ UNITS = {  # the engaged line's units per head kind under FSDP2
 }
 
 
-def _pair(assets, tmp_path, head, command="sft", **overrides):
-    runs = {}
-    for plugin in (False, True):
-        out = tmp_path / f"{head}_{'plugin' if plugin else 'plain'}"
-        if command == "dpo":
-            overrides["train_dataset"] = str(v1_pairs(assets, out))
-        rc, log = run_v1(v1_yaml(assets, out, head, plugin=plugin, **overrides), command=command)
-        assert rc == 0, log[-6000:]
-        runs[plugin] = (log, losses(out), weights(out))
+def _run(assets, out, head, plugin, command="sft", **overrides):
+    if command == "dpo":
+        overrides["train_dataset"] = str(v1_pairs(assets, out))
+    rc, log = run_v1(v1_yaml(assets, out, head, plugin=plugin, **overrides), command=command)
+    assert rc == 0, log[-6000:]
+    return log, losses(out), weights(out)
+
+
+@pytest.fixture(scope="module")
+def plain_ddp(assets, tmp_path_factory):
+    """v1's own run under DDP, LoRA + ``modules_to_save: [lm_head]``: the reference of two tests below."""
+    return _run(assets, tmp_path_factory.mktemp("v1_plain_ddp") / "mts_plain", "mts", False, dist_config=None)
+
+
+def _pair(assets, tmp_path, head, command="sft", plain=None, **overrides):
+    runs = {False: plain} if plain else {}
+    for plugin in (False, True)[len(runs):]:
+        runs[plugin] = _run(assets, tmp_path / f"{head}_{'plugin' if plugin else 'plain'}", head, plugin, command,
+                            **overrides)
     (_, plain_losses, plain_w), (log, plugin_losses, plugin_w) = runs[False], runs[True]
     assert len(plain_losses) == 3 and all(rel(a, b) < 1e-5 for a, b in zip(plugin_losses, plain_losses)), \
         (plugin_losses, plain_losses)
@@ -46,8 +56,8 @@ def test_fsdp2_equals_v1s_own(assets, tmp_path, head):
     assert "sharding=FSDP2" in log and UNITS[head] in log, log[-6000:]
 
 
-def test_ddp_equals_v1s_own(assets, tmp_path):
-    log = _pair(assets, tmp_path, "mts", dist_config=None)
+def test_ddp_equals_v1s_own(assets, tmp_path, plain_ddp):
+    log = _pair(assets, tmp_path, "mts", plain=plain_ddp, dist_config=None)
     assert "sharding=DDP" in log and "on the whole (unpartitioned) head weight" in log, log[-6000:]
 
 
@@ -115,7 +125,7 @@ def test_freeze_with_trained_head_equals_v1s_own(assets, tmp_path):
     assert UNITS["full"] in log and "head=full" in log, log[-6000:]
 
 
-def test_zero3_lora_trains_where_v1_stops(assets, tmp_path):
+def test_zero3_lora_trains_where_v1_stops(assets, tmp_path, plain_ddp):
     """ZeRO-3 + LoRA + ``modules_to_save`` in bf16 (DeepSpeed's ``auto``): v1 alone stops before step 1 (LoRA fp32
     beside the bf16 head copy: DeepSpeed's mixed-dtype assertion); the plugin casts the trainable parameters to the
     compute dtype, as on the default engine, and trains -- its losses equal v1's own fp32 DDP run to bf16 rounding."""
@@ -127,8 +137,5 @@ def test_zero3_lora_trains_where_v1_stops(assets, tmp_path):
     assert rc == 0, log[-6000:]
     assert "trainable parameters in the compute dtype" in log and "sharding=DeepSpeed ZeRO-3" in log
     assert "[liger_fsdp] guard: step 1 exact" in log, log[-6000:]
-    reference = tmp_path / "plain_ddp"
-    rc, ddp_log = run_v1(v1_yaml(assets, reference, plugin=False, dist_config=None))
-    assert rc == 0, ddp_log[-6000:]
-    fused, plain = losses(out), losses(reference)
+    fused, plain = losses(out), plain_ddp[1]
     assert len(fused) == len(plain) == 3 and all(rel(a, b) < 5e-3 for a, b in zip(fused, plain)), (fused, plain)
