@@ -11,6 +11,7 @@
 # (FSDP2 on two ranks, ZeRO-3, DPO, the guard stopping a changed loss).
 #
 #   bash scripts/test_stacks.sh [pypi|main|all] [extra pytest args]
+#   bash scripts/test_stacks.sh prepare   # only build the venvs that are missing
 #
 # The venvs are cached outside the checkout (LLF_STACKS_CACHE, default ~/.cache/llamafactory-liger-fsdp), keyed by
 # what they install, so a second run (or CI on the same machine) only reinstalls the plugin. Seen 2026-12-04 on the
@@ -75,17 +76,23 @@ build() {  # build STACK VENV: the user's install, then the test extras (which m
   echo "test_stacks.sh: $stack venv built in $((SECONDS - t0)) s"
 }
 
-run_stack() {  # called without `||` around it, so `set -e` holds inside; the two pytest runs both run
-  local stack=$1 key v t0=$SECONDS rc=0 out would
-  shift
-  # keyed by what is installed (the snapshot by its name), not by where this checkout or shared/ sits
-  key=$( { echo "$stack $EXTRAS"; [ "$stack" != main ] || basename "$SHARED"/llamafactory-main/LLaMA-Factory-*.tar.gz; } \
+venv_of() {  # the cached venv of stack $1, built if missing; keyed by what is installed (the snapshot by its name),
+  # not by where this checkout or shared/ sits
+  local key v
+  key=$( { echo "$1 $EXTRAS"; [ "$1" != main ] || basename "$SHARED"/llamafactory-main/LLaMA-Factory-*.tar.gz; } \
         | sha256sum | cut -c1-12)
-  v="$CACHE/venv-$stack-$key"
+  v="$CACHE/venv-$1-$key"
   if [ ! -f "$v/.built" ]; then
-    build "$stack" "$v"
+    build "$1" "$v" >&2
     touch "$v/.built"
   fi
+  echo "$v"
+}
+
+run_stack() {  # called without `||` around it, so `set -e` holds inside; the two pytest runs both run
+  local stack=$1 v t0=$SECONDS rc=0 out would
+  shift
+  v=$(venv_of "$stack")
   # the plugin, as a user installs it (with its dependencies): the stack must not move, for `pip install .` (what
   # pip would do) and `pip install -e .` (done)
   would=$("$v/bin/python" -m pip install --dry-run "$ROOT" 2>/dev/null | grep "^Would install" || true)
@@ -120,9 +127,11 @@ run_stack() {  # called without `||` around it, so `set -e` holds inside; the tw
 
 case "$WHICH" in
   pypi|main) run_stack "$WHICH" "$@" ;;
+  prepare)  # build the missing venvs only (test.sh runs this beside the pinned tests: mostly downloads and unpacking)
+    for s in pypi main; do venv_of "$s" > /dev/null; done ;;
   all)
     status=0
     for s in pypi main; do bash "$0" "$s" "$@" || status=1; done
     exit $status ;;
-  *) echo "usage: bash scripts/test_stacks.sh [pypi|main|all] [pytest args]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/test_stacks.sh [pypi|main|all|prepare] [pytest args]" >&2; exit 2 ;;
 esac
