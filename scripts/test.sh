@@ -21,7 +21,7 @@ fi
 # DeepSpeed's JIT-built ops (its CPU shm collective) per venv: one shared cache would be rebuilt whenever the stacks'
 # torch and this one take turns
 (export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TORCH_EXTENSIONS_DIR="$PWD/.venv/torch_extensions"
- exec .venv/bin/python -m pytest -q -n 2 --dist loadfile tests "$@")
+ exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=25 tests "$@")
 rc=$?
 echo "test.sh: pinned stack: exit $rc in $((SECONDS - t0)) s"
 if [ "$STACKS" != none ]; then
