@@ -36,10 +36,8 @@ def plain_ddp(assets, tmp_path_factory):
 
 
 def _pair(assets, tmp_path, head, command="sft", plain=None, **overrides):
-    runs = {False: plain} if plain else {}
-    for plugin in (False, True)[len(runs):]:
-        runs[plugin] = _run(assets, tmp_path / f"{head}_{'plugin' if plugin else 'plain'}", head, plugin, command,
-                            **overrides)
+    runs = {False: plain or _run(assets, tmp_path / f"{head}_plain", head, False, command, **overrides),
+            True: _run(assets, tmp_path / f"{head}_plugin", head, True, command, **overrides)}
     (_, plain_losses, plain_w), (log, plugin_losses, plugin_w) = runs[False], runs[True]
     assert len(plain_losses) == 3 and all(rel(a, b) < 1e-5 for a, b in zip(plugin_losses, plain_losses)), \
         (plugin_losses, plain_losses)
