@@ -26,7 +26,7 @@ CACHE=${LLF_STACKS_CACHE:-$HOME/.cache/llamafactory-liger-fsdp}
 SHARED=${LLF_SHARED:-$(cd .. && pwd)/shared}
 EXTRAS='liger-kernel==0.8.5 deepspeed==0.19.8 bitsandbytes==0.50.2 pytest>=8 pytest-xdist==3.8.0'
 NAMES='llamafactory torch triton transformers peft accelerate'
-E2E=(tests/test_e2e_cli.py::test_fsdp2_two_ranks
+E2E=(tests/test_e2e_checkpoints.py::test_fsdp2_two_ranks
      tests/test_e2e_deepspeed.py::test_zero3_engages_and_equals_plain
      tests/test_e2e_preference.py::test_dpo_fsdp2
      tests/test_e2e_versions.py

@@ -216,12 +216,16 @@ def _rank(rank: int, world: int, cases: list[str]) -> list[dict]:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")  # from the environment spawn gives every rank
-    results = []
+    from llamafactory_liger_fsdp import ops
+
+    kernel, results = ops.fused_linear_cross_entropy, []
     for case in cases:
         try:
             results.append(run_case(case, rank, world))
         except Exception:
             results.append({"case": case, "error": traceback.format_exc()})
+        finally:
+            ops.fused_linear_cross_entropy = kernel  # a bf16 case's spy (_engage_bf16) ends with its case
     return results
 
 

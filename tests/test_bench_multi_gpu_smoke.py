@@ -6,7 +6,7 @@ the 2-GPU run needs is kept working too.
   policy crashes on a Qwen2 head: `size mismatch ... vec (<V*H/2>)` with `use_orig_params: true`,
   the in-place view error with `use_orig_params: false`.
 * `liger_fsdp: true` beside `enable_liger_kernel: true` trains, and its per-step losses equal the
-  plain (unfused) run's; the FSDP1 curve of `liger_fsdp: true` equals the plain one (FSDP2: test_e2e_cli).
+  plain (unfused) run's; the FSDP1 curve of `liger_fsdp: true` equals the plain one (FSDP2: test_e2e_checkpoints).
 """
 
 import json
@@ -63,7 +63,7 @@ def test_plugin_beside_liger_trains_exactly(smoke):
         assert abs(a - b) <= 1e-5 * abs(b)
 
 
-@pytest.mark.parametrize("version", [1])  # FSDP2 curves: tests/test_e2e_cli.py (flag on vs off, 6 steps)
+@pytest.mark.parametrize("version", [1])  # FSDP2 curves: tests/test_e2e_checkpoints.py (flag on vs off, 6 steps)
 def test_curves_match_plain(smoke, version):
     rows, stdout = smoke
     ours = rows[("curves", "liger_fsdp", version)]

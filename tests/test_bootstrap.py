@@ -42,12 +42,10 @@ def test_hook_imports_nothing_at_start():
 
 
 @pytest.mark.parametrize("yaml, expected", [
-    ("liger_fsdp: true\n", "`liger_fsdp`: on LLaMA-Factory's v1 engine"),
-    ("kernel_config: {name: liger_fsdp}\ndist_config: {name: fsdp2, cp_size: 2}\n", "`cp_size: 2`"),
-    ("kernel_config: {name: liger_fsdp, liger_fsdp_gaurd: false}\n", "Unknown key(s) `liger_fsdp_gaurd`"),
-])
+    ("kernel_config: {name: liger_fsdp}\ndist_config: {name: fsdp2, cp_size: 2}\n", "`cp_size: 2`")])
 def test_v1_engine_refusals_before_any_rank(tmp_path, yaml, expected):
-    """USE_V1=1: what the yaml alone decides is refused in the launching process, once, last, with the fix."""
+    """USE_V1=1: what the yaml alone decides is refused in the launching process, once, last, with the fix (one yaml
+    end to end; every refusal of the same precheck, in process: test_v1.py::test_v1_launcher_precheck_refuses)."""
     cfg = tmp_path / "v1.yaml"
     cfg.write_text("model: whatever\n" + yaml)
     cli = os.path.join(os.path.dirname(sys.executable), "llamafactory-cli")
@@ -60,15 +58,20 @@ def test_v1_engine_refusals_before_any_rank(tmp_path, yaml, expected):
     assert out.count("[liger_fsdp] error") == 1 and "Initializing 2 distributed tasks" not in out
 
 
-def test_loader_and_reexports_patched():
+def test_loader_and_reexports_patched_and_unpatch_restores():
+    """One fresh interpreter: every patched name (re-exports included) carries the patch, then unpatch() restores them."""
     code = (
         "import llamafactory.model as m, llamafactory.model.loader as l, llamafactory.train.sft.workflow as w, "
         "llamafactory.hparams.parser as p, llamafactory.launcher as la\n"
+        "from llamafactory_liger_fsdp import integration\n"
         "ok = all(getattr(f, '__liger_fsdp_patch__', False) for f in (m.load_model, l.load_model, w.load_model, "
         "p._parse_args, la.launch))\n"
-        "print(ok, m.load_model is w.load_model is l.load_model)"
+        "same = m.load_model is w.load_model is l.load_model\n"
+        "integration.unpatch()\n"
+        "print(ok, same, getattr(l.load_model, '__liger_fsdp_patch__', False), "
+        "getattr(m.load_model, '__liger_fsdp_patch__', False))"
     )
-    assert _py(code) == "True True"
+    assert _py(code) == "True True False False"
 
 
 def test_disable_env_keeps_keys_accepted():
@@ -80,16 +83,6 @@ def test_disable_env_keeps_keys_accepted():
         "print(b.ACTIVE, cfg.enabled, sorted(rest))"
     )
     assert _py(code, LLAMAFACTORY_LIGER_FSDP_DISABLE="1") == "True False ['stage']"
-
-
-def test_unpatch_restores():
-    code = (
-        "import llamafactory.model.loader as l, llamafactory.model as m\n"
-        "from llamafactory_liger_fsdp import integration\n"
-        "integration.unpatch()\n"
-        "print(getattr(l.load_model, '__liger_fsdp_patch__', False), getattr(m.load_model, '__liger_fsdp_patch__', False))"
-    )
-    assert _py(code) == "False False"
 
 
 PTH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "llamafactory_liger_fsdp.pth")

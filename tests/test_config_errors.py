@@ -109,6 +109,20 @@ def test_settings_that_replace_the_loss(base, key):
     names_key_and_fix(str(err.value), f"{key}: true", f"{key}: false")
 
 
+@pytest.mark.parametrize("bad,key", [
+    (dict(stage="rm"), "stage: rm"), (dict(liger_fsdp_backend="cuda"), "liger_fsdp_backend"),
+    (dict(lora_target="q_proj,lm_head", use_dora=True), "use_dora: true"), (dict(use_unsloth=True), "use_unsloth"),
+    (dict(liger_fsdp_gaurd=False), "liger_fsdp_gaurd")])
+def test_launcher_precheck_refuses(base, bad, key):
+    """The function the patched `llamafactory-cli train` runs before any rank starts, on the raw yaml (one launch of
+    it end to end: test_e2e_cli.py::test_refused_once_before_any_rank_starts)."""
+    from llamafactory_liger_fsdp.integration.llamafactory import precheck
+
+    with pytest.raises(LigerFsdpConfigError) as err:
+        precheck(dict(base, liger_fsdp=True, **bad))
+    assert f"`{key}" in str(err.value) and "Fix" in str(err.value), str(err.value)
+
+
 def test_raw_and_parsed_refusals_are_one_text(base):
     """The launching process (raw yaml) and every rank (parsed arguments) refuse with the same text."""
     with pytest.raises(LigerFsdpConfigError) as parsed:

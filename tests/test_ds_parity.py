@@ -1,5 +1,6 @@
 """Real 2-process DeepSpeed (gloo, CPU): ZeRO-3 (with and without CPU offload), ZeRO-2, ZeRO-1 and ZeRO-0 against
-the unsharded single-process unfused reference (fp32). One worker job runs every case (tests/ds_worker.py)."""
+the unsharded single-process unfused reference (fp32), and in bf16 under the plugin's dtype policy. One worker job
+runs every case but Liger-Kernel's (tests/ds_worker.py)."""
 
 import pytest
 
@@ -11,6 +12,7 @@ pytestmark = pytest.mark.slow
 CASES = ["llama:mts:3", "llama:lora:3", "llama:full:3", "qwen2_tied:full:3", "qwen2:mts:3:both",
          "llama:mts:2", "llama:lora:2", "qwen2_tied:full:2", "llama:mts:1", "qwen2:lora:0",
          "llama:lora:3:empty"]  # step 2 without a labelled token on any rank: the parameters after it still agree
+BF16 = ["llama:mts:3:bf16", "llama:lora:3:bf16", "llama:full:3:bf16", "qwen2_tied:full:3:bf16", "llama:mts:2:bf16"]
 TOL = 1e-5
 
 
@@ -22,7 +24,8 @@ def _worker(tmp_path_factory, name, cases):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return _worker(tmp_path_factory, "ds", CASES)
+    """The fp32 cases and the bf16 ones in one job (a launch is ~20 s of imports and process-group start-up)."""
+    return _worker(tmp_path_factory, "ds", CASES + BF16)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -50,20 +53,12 @@ def test_zero_parity(ranks, case):
             assert "on the whole (unpartitioned) head weight" in result["engaged"], result["engaged"]
 
 
-BF16 = ["llama:mts:3:bf16", "llama:lora:3:bf16", "llama:full:3:bf16", "qwen2_tied:full:3:bf16", "llama:mts:2:bf16"]
-
-
-@pytest.fixture(scope="module")
-def bf16_ranks(tmp_path_factory):
-    return _worker(tmp_path_factory, "ds_bf16", BF16)
-
-
 @pytest.mark.parametrize("case", BF16)
-def test_bf16_kernel_gets_the_compute_dtype(bf16_ranks, case):
+def test_bf16_kernel_gets_the_compute_dtype(ranks, case):
     """DeepSpeed bf16 (ZeRO-3 with PEFT's fp32 LoRA weights beside bf16 copies, and ZeRO-2): the fused kernel receives
     bf16 hidden states and head weights for every head kind, on every rank (no fp32 island, no [V, H] fp32 copy), and
     the run equals the unfused model under the same dtype policy within bf16 rounding."""
-    for rank_results in bf16_ranks:
+    for rank_results in ranks:
         result = {r["case"]: r for r in rank_results}[case]
         assert "error" not in result, result["error"]
         assert result["kernel_dtypes"] == ["bfloat16/bfloat16"], result["kernel_dtypes"]

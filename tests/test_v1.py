@@ -230,6 +230,23 @@ def test_refusals(command, values, match):
     assert "Fix:" in str(err.value)
 
 
+@pytest.mark.parametrize("yaml, expected", [
+    ("liger_fsdp: true\n", "`liger_fsdp`: on LLaMA-Factory's v1 engine"),
+    ("kernel_config: {name: liger_fsdp}\ndist_config: {name: fsdp2, cp_size: 2}\n", "`cp_size: 2`"),
+    ("kernel_config: {name: liger_fsdp, liger_fsdp_gaurd: false}\n", "Unknown key(s) `liger_fsdp_gaurd`"),
+])
+def test_v1_launcher_precheck_refuses(tmp_path, yaml, expected):
+    """The function v1's patched launcher runs before any rank starts, on the yaml's own words (one yaml end to end:
+    test_bootstrap.py::test_v1_engine_refusals_before_any_rank)."""
+    from llamafactory_liger_fsdp.integration.v1 import precheck
+
+    cfg = tmp_path / "v1.yaml"
+    cfg.write_text("model: whatever\n" + yaml)
+    with pytest.raises(LigerFsdpConfigError) as err:
+        precheck("sft", [str(cfg)])
+    assert expected in str(err.value) and "Fix:" in str(err.value), str(err.value)
+
+
 def test_versions_too_old_refused(monkeypatch):
     from llamafactory_liger_fsdp import versions
 
