@@ -34,6 +34,7 @@ more than S s after the start; a run stopped at the deadline leaves no row. The 
     python bench/depth_h200.py --smoke          # CPU plumbing check: tiny local model, fp32, no FSDP, temp JSON
     python bench/depth_h200.py --table          # the table and the targets from --out, nothing run
     python bench/depth_h200.py --plot           # and the two charts: results/h200_depth_longest.png, _tokens.png
+    python bench/depth_h200.py --plot --out bench/results/h100_depth.json   # an H100's rows: h100_depth_*.png
 
 On the H200 through the device tool: ``DEPTH_ARGS="..." bash bench/run_h200.sh depth`` (copies bench/results/
 h200_depth.json to $OUT first, appends there: copy it back between calls).
@@ -350,7 +351,7 @@ def main():
     if args.table or args.plot:
         report(mine(load_rows(out), smoke), ladder)
         if args.plot:
-            plot(mine(load_rows(out), smoke), ladder, os.path.dirname(os.path.abspath(out)), smoke)
+            plot(mine(load_rows(out), smoke), ladder, out, smoke)
         return
     work = args.work or ("/tmp/depth_smoke" if smoke else "/tmp/real_size")
     os.makedirs(work, exist_ok=True)
@@ -506,13 +507,26 @@ COLORS = {"plain": "tab:gray", "liger": "tab:orange", "plugin": "tab:blue", "plu
           "plugin-lean": "tab:cyan", "plugin-lean+liger": "tab:olive", "plugin-noguard": "tab:purple"}
 
 
-def plot(rows, ladder, folder, smoke):
+def card_of(rows) -> tuple[str, float | None]:
+    """(the card's short name, its memory in GiB) from the rows' ``card`` field ("NVIDIA H100 80GB HBM3, 81559 MiB,
+    driver"); a file holds one card's rows (common.rows_for_card)."""
+    cards = {r.get("card") or "" for r in rows} or {""}
+    if len(cards) > 1:
+        raise SystemExit(f"rows of several cards: {sorted(cards)}")
+    name, *rest = cards.pop().split(",")
+    mib = rest[0].strip().split()[0] if rest else ""
+    return name.replace("NVIDIA ", "").strip() or "cpu", int(mib) / 1024 if mib.isdigit() else None
+
+
+def plot(rows, ladder, out, smoke):
+    """The two charts of --out's rows, beside it: <stem>_longest.png and <stem>_tokens.png, titled with their card."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    prefix = os.path.join(folder, "h200_depth_smoke" if smoke else "h200_depth")
+    prefix = os.path.splitext(os.path.abspath(out))[0]
+    gpu, capacity = card_of(rows)
     variants = [v for v in VARIANTS if any(r["variant"] == v and r["sharding"] == "fsdp2" for r in rows)]
     # 1. the longest cutoff that trains, per variant (FSDP2), its first failing cutoff marked
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(variants) + 1.6))
@@ -536,7 +550,7 @@ def plot(rows, ladder, folder, smoke):
     ax.set_xlim(math.log2(ladder[0]) - 0.5, math.log2(ladder[-1]) + 3.2)
     ax.invert_yaxis()
     ax.set_xlabel("longest cutoff_len that trains (x: first that does not)")
-    ax.set_title("Llama-3-8B, 32 layers, FSDP2, one H200: longest context" + (" (smoke)" if smoke else ""), fontsize=10)
+    ax.set_title(f"Llama-3-8B, 32 layers, FSDP2, one {gpu}: longest context" + (" (smoke)" if smoke else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(prefix + "_longest.png", dpi=120)
     plt.close(fig)
@@ -552,19 +566,19 @@ def plot(rows, ladder, folder, smoke):
             a2.plot(cs, [median_of(rows, "peak_gib", sharding, v, c) for c in cs], style, color=COLORS[v], label=label)
         fails = [c for c in results(rows, "fsdp2", v)[1]]
         for c in fails:
-            a2.plot(c, 141 if not smoke else 0, "x", color=COLORS[v], markersize=9)
+            a2.plot(c, capacity or 0, "x", color=COLORS[v], markersize=9)
     for ax in (a1, a2):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ladder, [short(c) for c in ladder])
         ax.set_xlabel("cutoff_len (packed tokens a step; lines join the cutoffs run)")
         ax.grid(alpha=0.3)
-    if not smoke:
-        a2.axhline(140.4, color="k", lw=0.8, ls=":")
-        a2.text(ladder[0], 136, "H200 140.4 GiB (x: did not fit)", fontsize=8)
+    if capacity:
+        a2.axhline(capacity, color="k", lw=0.8, ls=":")
+        a2.text(ladder[0], capacity * 0.97, f"{gpu} {capacity:.1f} GiB (x: did not fit)", fontsize=8)
     a1.set_ylabel("tokens/s (median of runs; steps 2..n)")
     a2.set_ylabel("peak GiB (max_memory_allocated)")
     a1.legend(fontsize=8)
-    fig.suptitle("Llama-3-8B, 32 layers, LoRA r16 all + embed/head copies, bf16, one H200" + (" (smoke)" if smoke else ""),
+    fig.suptitle(f"Llama-3-8B, 32 layers, LoRA r16 all + embed/head copies, bf16, one {gpu}" + (" (smoke)" if smoke else ""),
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(prefix + "_tokens.png", dpi=120)
