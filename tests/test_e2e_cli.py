@@ -10,16 +10,9 @@ import warnings
 
 import pytest
 
-from support.cli import FSDP2, base_yaml, run_cli
+from support.cli import FSDP2, assert_same_losses, base_yaml, run_cli
 
 pytestmark = pytest.mark.slow
-TOL = 1e-4
-
-
-def _assert_same(losses, ref):
-    assert len(losses) == len(ref) == 6
-    for a, b in zip(losses, ref):
-        assert abs(a - b) <= TOL * abs(b), (losses, ref)
 
 
 def test_fsdp2_bf16_frozen_weights_stay_16bit(assets, tmp_path):
@@ -52,7 +45,7 @@ def test_lora_on_head_one_process(assets, tmp_path):
     rc, log, losses = run_cli(base_yaml(assets, tmp_path / "liger", liger_fsdp=True, **cfg))
     assert rc == 0, log[-6000:]
     assert "[liger_fsdp] engaged: head=lora (lm_head), sharding=none" in log
-    _assert_same(losses, ref)
+    assert_same_losses(losses, ref)
 
 
 def test_frozen_head_says_why(assets, tmp_path):

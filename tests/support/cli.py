@@ -119,6 +119,14 @@ def run_cli(cfg: dict, nproc: int | None = None, fsdp1: bool = False, timeout: i
     return proc.returncode, log, [loss for _, loss in sorted(step_losses(out).items())]
 
 
+def assert_same_losses(losses: list[float], ref: list[float]) -> None:
+    """A run of base_yaml's 6 steps with `liger_fsdp: true` against the same run without it: every step's loss,
+    rel <= 1e-4 (fp32; summation order differs)."""
+    assert len(losses) == len(ref) == 6, (losses, ref)
+    for a, b in zip(losses, ref):
+        assert abs(a - b) <= 1e-4 * abs(b), (losses, ref)
+
+
 def step_losses(out: Path) -> dict[int, float]:
     """{optimizer step: loss} from LLaMA-Factory's trainer_log.jsonl (a resumed run appends to it;
     the latest record of a step wins)."""
