@@ -528,9 +528,11 @@ def plot(rows, ladder, out, smoke):
     prefix = os.path.splitext(os.path.abspath(out))[0]
     gpu, capacity = card_of(rows)
     variants = [v for v in VARIANTS if any(r["variant"] == v and r["sharding"] == "fsdp2" for r in rows)]
-    # 1. the longest cutoff that trains, per variant (FSDP2), its first failing cutoff marked
-    fig, ax = plt.subplots(figsize=(8, 0.6 * len(variants) + 1.6))
-    for i, v in enumerate(variants):
+    # 1. the longest cutoff that trains, per variant (FSDP2), its first failing cutoff marked; not plugin-noguard,
+    # which times step 1 at one cutoff and is never searched for length
+    longest = [v for v in variants if v != "plugin-noguard"]
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(longest) + 1.6))
+    for i, v in enumerate(longest):
         fit, fail = results(rows, "fsdp2", v)
         if fit:
             c = max(fit)
@@ -545,7 +547,7 @@ def plot(rows, ladder, out, smoke):
                     "" if c >= ladder[-1] else "; longer not run")
             ax.text(math.log2(max([c] + above[:1])) + 0.2, i, f"{short(c)}: {tps / 1e3:.2f}k tok/s, {peak:.1f} GiB{note}",
                     va="center", fontsize=8)
-    ax.set_yticks(range(len(variants)), variants)
+    ax.set_yticks(range(len(longest)), longest)
     ax.set_xticks([math.log2(c) for c in ladder], [short(c) for c in ladder])
     ax.set_xlim(math.log2(ladder[0]) - 0.5, math.log2(ladder[-1]) + 3.2)
     ax.invert_yaxis()
