@@ -45,10 +45,10 @@ def single():
 
 
 def sharded():
-    from test_dist_parity import CASES, DDP_CASES
+    from test_dist_parity import CASES, DDP_CASES, MODES
 
     rows = []
-    for mode in ("fsdp1_flat", "fsdp1_orig", "fsdp2", "ddp"):
+    for mode in MODES:
         cases = DDP_CASES if mode == "ddp" else CASES
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "out.json")

@@ -23,6 +23,10 @@ FAMILY_CASES = {"fsdp2": ["qwen2_vl:mts", "qwen2_vl:lora", "qwen3_moe:mts", "mix
 TOL = 1e-5
 
 
+def _cases(mode):
+    return DDP_CASES if mode == "ddp" else CASES + FAMILY_CASES.get(mode, [])
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """``get(mode)``: every rank's results of that mode's one job, and its log."""
@@ -36,10 +40,6 @@ def results(tmp_path_factory):
         return cache[mode]
 
     return get
-
-
-def _cases(mode):
-    return DDP_CASES if mode == "ddp" else CASES + FAMILY_CASES.get(mode, [])
 
 
 def _check(result, mode, case):
@@ -58,21 +58,11 @@ def _check(result, mode, case):
         assert proof["ddp"] == "DistributedDataParallel"
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("mode", ["fsdp1_flat", "fsdp1_orig", "fsdp2"])
+@pytest.mark.parametrize("mode,case", [(m, c) for m in MODES if m != "ddp" for c in _cases(m)])
 def test_sharded_parity(results, mode, case):
     ranks, _ = results(mode)
     for rank_results in ranks:  # every rank, not only rank 0
         _check({r["case"]: r for r in rank_results}[case], mode, case)
-
-
-@pytest.mark.parametrize("mode,case", [(m, c) for m, cs in sorted(FAMILY_CASES.items()) for c in cs])
-def test_families_sharded(results, mode, case):
-    ranks, _ = results(mode)
-    for rank_results in ranks:
-        result = {r["case"]: r for r in rank_results}[case]
-        assert_parity(result, TOL)
-        assert result["proof"]["fsdp"] == {"fsdp2": "FSDP2", "fsdp1_flat": "FSDP1"}[mode], result["proof"]
 
 
 @pytest.mark.parametrize("mode", sorted(FAMILY_CASES))
