@@ -1,13 +1,15 @@
-"""``python -m llamafactory_liger_fsdp doctor [sft.yaml]`` and ``python -m llamafactory_liger_fsdp train sft.yaml``.
+"""``python -m llamafactory_liger_fsdp doctor [sft.yaml]``, ``... train sft.yaml`` and ``... env``.
 
 ``train`` is ``llamafactory-cli train`` with the plugin active in the launcher and in every worker
-(``FORCE_TORCHRUN``/torchrun included), also where the ``.pth`` hook does not run."""
+(``FORCE_TORCHRUN``/torchrun included), also where the ``.pth`` hook does not run. ``env`` prints the versions,
+device, kernel backend and import hook for a bug report (:mod:`.env_report`)."""
 
 import os
 import sys
 
 USAGE = "usage: python -m llamafactory_liger_fsdp doctor [sft.yaml [key=value ...]]\n" \
-        "       python -m llamafactory_liger_fsdp train sft.yaml [key=value ...]"
+        "       python -m llamafactory_liger_fsdp train sft.yaml [key=value ...]\n" \
+        "       python -m llamafactory_liger_fsdp env"
 
 
 def train(args: list[str]) -> int:
@@ -31,6 +33,10 @@ if __name__ == "__main__":
         from .doctor import main as doctor
 
         sys.exit(doctor(argv))
+    if argv == ["env"]:
+        from .env_report import main as env
+
+        sys.exit(env())
     if argv[:1] == ["train"] and len(argv) > 1:
         sys.exit(train(argv[1:]))
     print(USAGE)
