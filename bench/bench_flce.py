@@ -1,42 +1,45 @@
-"""Fused linear cross-entropy on one GPU: ours against torch, torch.compile, Liger and Cut Cross-Entropy.
+"""Fused linear cross-entropy on one GPU: the plugin's two kernels against Liger (and torch, torch.compile, Cut
+Cross-Entropy on request), forward + backward.
 
-Benchmark (default): at each shape (bf16, 25% ignored labels), forward+backward time (CUDA events,
-warm-up, median), peak extra memory, and each implementation's loss / dX / dW error against an fp32
-reference computed from the same bf16 inputs; plus the bf16 matmul rate of this card in the same
-run, which sets the floor ``6 N H V / rate``. ``--check``: real-size correctness of every backend
-(float64 reference, plain torch in the same dtype, the rounding floor), reductions, label smoothing,
-fp16, large logits, determinism, bad labels, the forward-only path. Both write JSON row by row.
+Benchmark (default): at each shape and fraction of ignored labels (bf16), time (CUDA events, 3 warm-ups, median of
+10), peak memory beyond the inputs, and each implementation's loss / dX / dW error against an fp32 reference from the
+same bf16 inputs; the card's bf16 matmul rate is measured in the same run (short bursts and sustained), which sets the
+floors ``floor_ms = 6 N H V / rate`` and ``floor_valid_ms = 6 N_valid H V / rate`` (the rows a kernel that skips
+ignored labels multiplies); ``x_valid_floor`` = ms / floor_valid_ms. ``peak_extra_mib`` leaves out the two gradients
+every implementation returns (dX, dW in the input dtype); ``peak_total_extra_mib`` keeps them. ``--check``: real-size
+correctness of every backend against float64 (plain torch in the same dtype and the rounding floor beside it),
+reductions, label smoothing, softcap, fp16, fp32, large logits, determinism, bad labels, the forward-only path.
+Both write JSON row by row; ``--table`` prints the benchmark's table from --out.
 
-    python bench/bench_flce.py --out bench/results/h200_flce.json
-    python bench/bench_flce.py --check --out bench/results/h200_kernel2_check.json
-    python bench/bench_flce.py --ignored 0,0.25,0.5 --impls project_fast,project,liger --out bench/results/h200_kernel3.json
+    python bench/bench_flce.py [--out bench/results/{card}_kernel3.json] [--deadline 290]
+    python bench/bench_flce.py --check [--out bench/results/{card}_kernel3_check.json]
+    python bench/bench_flce.py --table --out bench/results/h200_kernel3.json
 
-Rows carry ``floor_valid_ms = 6 N_valid H V / rate`` (the rows a kernel that skips ignored labels must multiply) and
-``x_valid_floor`` beside the all-rows ``floor_ms`` / ``x_floor``.
-
-Memory: ``peak_extra_mib`` is the peak allocated during forward+backward above what was allocated
-before (inputs), *minus the two gradients every implementation must return* (dX and dW in the
-input dtype); ``peak_total_extra_mib`` keeps them in.
+``{card}`` in --out is the card's short name (h200, h100, ...).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import platform
 import statistics
 import time
 
 import torch
 
-from common import MIB, dump_json, gpu_meta, make_inputs, matmul_tflops
+from common import card_key, dump_json, load_rows
 from llamafactory_liger_fsdp.testing import rel
+
+MIB = 1024 * 1024
 
 SHAPES = [
     (8192, 4096, 128256), (16384, 4096, 128256), (16384, 3584, 152064),
     (32768, 4096, 128256), (8192, 8192, 128256), (8192, 3840, 262208),
 ]
-IMPLS = ["project", "project_fast", "liger", "cce", "torch", "torch_compile"]
+IMPLS = ["project", "project_fast", "liger", "cce", "torch", "torch_compile"]  # project: the lean `triton` backend
 T0 = time.time()
 
 
@@ -54,25 +57,6 @@ def make_impl(name):
 
         backend = "triton" if name == "project" else "triton_fast"
         return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend=backend)
-    if name.startswith("project_budget"):  # the lean path with another budget (MiB) [and widest slab]: project_budget1024_slab16384
-        from llamafactory_liger_fsdp.ops import triton_common, triton_flce
-
-        budget, _, slab = name[len("project_budget"):].partition("_slab")
-
-        def lean(h, w, y):  # tiles are planned in forward only
-            old = triton_common.MAX_SLAB
-            triton_common.MAX_SLAB = int(slab or old)
-            try:
-                return triton_flce.fused_linear_cross_entropy_triton(h, w, y, mem_budget=int(budget) * MIB)
-            finally:
-                triton_common.MAX_SLAB = old
-
-        return lean
-    if name.startswith("project_fast_c"):  # the fast path with another row chunk: project_fast_c2048
-        from llamafactory_liger_fsdp.ops.triton_flce import fused_linear_cross_entropy_triton
-
-        rows = int(name[len("project_fast_c"):])
-        return lambda h, w, y: fused_linear_cross_entropy_triton(h, w, y, fast=True, tiles=(rows, 0, 0))
     if name == "torch":
         return _torch_loss
     if name == "torch_compile":
@@ -93,6 +77,48 @@ def make_impl(name):
 
 
 # --------------------------------------------------------------------------- helpers
+def gpu_meta() -> dict:
+    """The run's ``_meta`` fields: card (torch's name of GPU 0), date, torch, python, and triton / liger_kernel /
+    cut_cross_entropy / transformers (None when absent)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    meta = {"card": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+            "python": platform.python_version()}
+    for dist in ("triton", "liger-kernel", "cut-cross-entropy", "transformers"):
+        try:
+            meta[dist.replace("-", "_")] = version(dist)
+        except PackageNotFoundError:
+            meta[dist.replace("-", "_")] = None
+    return meta
+
+
+def matmul_tflops(n=8192, reps=10):
+    """This card's bf16 matmul rate (n^3 GEMM, 3 warm-ups, median of ``reps`` short bursts), TFLOP/s."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    times = []
+    for i in range(reps + 3):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        torch.cuda.synchronize()
+        times += [s.elapsed_time(e)] if i >= 3 else []
+    return 2 * n**3 / (statistics.median(times) * 1e-3) / 1e12
+
+
+def make_inputs(n, h, v, seed=0, dtype=None, ignore=0.25, scale=1.0):
+    """Hidden states ``[n, h]`` (N(0, 1) x ``scale``), a head ``[v, h]`` (N(0, 4 / h)), both in ``dtype`` (default
+    bf16), and labels with a fraction ``ignore`` set to -100; on the GPU, from a generator seeded with ``seed``."""
+    dtype = torch.bfloat16 if dtype is None else dtype
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = (torch.randn(n, h, device="cuda", generator=g, dtype=torch.float32) * scale).to(dtype)
+    weight = (torch.randn(v, h, device="cuda", generator=g, dtype=torch.float32) * (2.0 / math.sqrt(h))).to(dtype)
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    y[torch.rand(n, device="cuda", generator=g) < ignore] = -100
+    return hidden, weight, y
+
+
 def matmul_tflops_sustained(n=8192, reps=40):
     """The same GEMM back to back for ~60 ms (no sync between): the rate under the sustained load a fused kernel's
     GEMMs see (clocks drop under power limits), beside :func:`matmul_tflops`'s short bursts."""
@@ -326,36 +352,55 @@ def _extra_checks(out_rows, out_path):
     dump_json(out_path, out_rows)
 
 
+def table(rows) -> None:
+    """The benchmark's rows: per shape and ignored fraction, each implementation's ms, floor, memory and errors."""
+    print(f"{'impl':14s} {'N x H x V':22s} {'ign':>4s} {'ms':>8s} {'floor_v':>7s} {'x_v':>5s} {'x_v sust':>8s} "
+          f"{'MiB':>6s} {'MiB+g':>6s} {'err_dx':>8s} {'err_dw':>8s}")
+    for r in rows:
+        shape = f"{r['N']}x{r['H']}x{r['V']}"
+        if "ms" not in r:
+            print(f"{r['impl']:14s} {shape:22s} {r.get('error', r.get('skipped', '?'))[:80]}")
+            continue
+        print(f"{r['impl']:14s} {shape:22s} {r['ignored_frac']:4.2f} {r['ms']:8.2f} {r['floor_valid_ms']:7.2f} "
+              f"{r['x_valid_floor']:5.2f} {r.get('x_valid_floor_sustained', math.nan):8.2f} {r['peak_extra_mib']:6.0f} "
+              f"{r['peak_total_extra_mib']:6.0f} {r['err_dx']:8.1e} {r['err_dw']:8.1e}")
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/h200_flce.json")
-    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="the rows' JSON (default bench/results/{card}_kernel3.json; "
+                    "--check: {card}_kernel3_check.json)")
+    ap.add_argument("--impls", default="project_fast,project,liger", help=f"of {','.join(IMPLS)}")
     ap.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES))
-    ap.add_argument("--ignored", default="0.25", help="comma list of ignored-label fractions (issue 20: 0,0.25,0.5)")
+    ap.add_argument("--ignored", default="0,0.25,0.5", help="comma list of ignored-label fractions")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--deadline-s", type=float, default=1e9, help="skip what is left after this many seconds")
+    ap.add_argument("--deadline", type=float, default=1e9, help="seconds from the start; what is left is skipped")
     ap.add_argument("--check", action="store_true", help="real-size correctness of every backend")
+    ap.add_argument("--table", action="store_true", help="print the table of --out; run nothing")
     args = ap.parse_args()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   "{card}_kernel3" + ("_check" if args.check else "") + ".json")
+    if args.table:
+        return table(load_rows(out))
     meta = gpu_meta()
+    out = out.replace("{card}", card_key(meta["card"]))
     if args.check:
         rows = []
-        check(rows, args.out)
-        dump_json(args.out, {"meta": meta, "checks": rows})
+        check(rows, out)
+        dump_json(out, {"meta": meta, "checks": rows})
         return
     rate = matmul_tflops()
     meta["bf16_matmul_tflops"] = rate
     meta["bf16_matmul_tflops_sustained"] = sustained = matmul_tflops_sustained()
     print(f"# {meta}", flush=True)
-    dump_json(args.out.replace(".json", "_meta.json"), meta)
+    dump_json(out.replace(".json", "_meta.json"), meta)
     rows = []
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
-    for shape in shapes:
+    for shape in [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]:
         for ignore in (float(x) for x in args.ignored.split(",")):
             ref = None
             for name in args.impls.split(","):
-                if time.time() - T0 > args.deadline_s:
+                if time.time() - T0 > args.deadline:
                     row = {"impl": name, "N": shape[0], "H": shape[1], "V": shape[2], "shape": list(shape),
                            "ignored_frac": ignore, "skipped": "deadline"}
                 else:
@@ -367,18 +412,10 @@ def main():
                         row["x_valid_floor_sustained"] = row["ms"] / (row["floor_valid_ms"] * rate / sustained)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                dump_json(args.out, rows)
+                dump_json(out, rows)
             del ref
             torch.cuda.empty_cache()
-    print(f"\n{'impl':14s} {'N x H x V':22s} {'ign':>4s} {'ms':>8s} {'floor_v':>7s} {'x_v':>5s} {'MiB':>8s} {'MiB+g':>8s} {'err_dx':>8s} {'err_dw':>8s}")
-    for r in rows:
-        if "error" in r or "skipped" in r:
-            print(f"{r['impl']:14s} {r['N']}x{r['H']}x{r['V']}  {r.get('error', 'skipped')[:80]}")
-            continue
-        print(
-            f"{r['impl']:14s} {str(r['N']) + 'x' + str(r['H']) + 'x' + str(r['V']):22s} {r['ignored_frac']:4.2f} {r['ms']:8.2f} "
-            f"{r['floor_valid_ms']:7.2f} {r['x_valid_floor']:5.2f} {r['peak_extra_mib']:8.0f} {r['peak_total_extra_mib']:8.0f} {r['err_dx']:8.1e} {r['err_dw']:8.1e}"
-        )
+    table(rows)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,14 @@
 """What the bench scripts share; no script imports another script. Run a script as ``python bench/x.py`` from the
 repository root: Python puts the script's own folder first on the module path, so this module imports as ``common``
-(the package ``llamafactory_liger_fsdp`` is installed, or on PYTHONPATH as bench/run_h200.sh sets it). Nothing here
-imports torch at import time, so a caller that must not hold a CUDA context (bench/depth_h200.py) can use it.
+(the package ``llamafactory_liger_fsdp`` is installed, or on PYTHONPATH as bench/run_gpu.sh sets it). Nothing here
+imports torch at import time, so a caller that must not hold a CUDA context (bench/depth.py) can use it.
 
-* paths: ``ROOT`` (the repository), ``MAKE_ASSETS`` (recipes/tiny_cpu/make_assets.py), ``MIB``
+* paths: ``ROOT`` (the repository), ``MAKE_ASSETS`` (recipes/tiny_cpu/make_assets.py)
 * row fields: :func:`now` (UTC, seconds), :func:`versions` (package versions), :func:`commit` (this repository's),
-  :func:`card` (nvidia-smi's name, no torch), :func:`gpu_meta` (the kernel benches' card / date / versions fields, through torch)
+  :func:`card` (nvidia-smi's name, no torch), :func:`card_key` ("h100")
 * JSON: :func:`dump_json` (atomic), :func:`load_rows` / :func:`save_rows` / :func:`append_row` (``{"rows": [...]}``;
-  a bare list is read too), :func:`rows_for_card` (an ``h200_*.json`` path is redirected when the card is not an H200)
-* GPU timing and inputs: :func:`cuda_ms`, :func:`matmul_tflops`, :func:`make_inputs` (hidden, head, labels of the
-  fused loss), :func:`flce_impl` (a fused-loss implementation by name)
+  a bare list is read too); every GPU row carries its ``card``: a file's readers pick a card's rows by it
+* :func:`shim`: the package's CPU test-support directories (``llamafactory_liger_fsdp/testing/cpu_*_shim``)
 * LLaMA-Factory runs: ``MODELS`` (real-head shapes), ``VARIANTS`` (yaml keys per variant), :func:`build` (a model
   with random weights + tiny data), :func:`run` (one torchrun launch of bench/lf_bench_launch.py -> its row),
   :func:`log_line`, :func:`error_line`, ``ZERO3`` / :func:`ds_json` (the DeepSpeed json), :func:`preflight` (an
@@ -29,9 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
-import platform
 import re
 import socket
 import statistics
@@ -41,7 +38,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAKE_ASSETS = os.path.join(ROOT, "recipes", "tiny_cpu", "make_assets.py")
-MIB = 1024 * 1024
 DISTS = ("torch", "triton", "transformers", "peft", "accelerate", "deepspeed", "llamafactory", "liger_kernel", "trl",
          "datasets", "llamafactory_liger_fsdp")
 
@@ -89,24 +85,10 @@ def card() -> str:
     return line or "cpu"
 
 
-def gpu_meta() -> dict:
-    """The fields the kernel benches put on every row (or in their ``_meta`` file): card (torch's name of GPU 0),
-    date, torch, python, and triton / liger_kernel / cut_cross_entropy / transformers (None when absent)."""
-    import torch
-
-    meta = {"card": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-            "python": platform.python_version()}
-    for mod in ("triton", "liger_kernel", "cut_cross_entropy", "transformers"):
-        try:
-            meta[mod] = __import__(mod).__version__
-        except Exception:
-            from importlib.metadata import version
-
-            try:
-                meta[mod] = version(mod.replace("_", "-"))
-            except Exception:
-                meta[mod] = None
-    return meta
+def card_key(name: str) -> str:
+    """A card's short name for file names: "NVIDIA H100 80GB HBM3, 81559 MiB, ..." -> "h100"; "cpu ..." -> "cpu"."""
+    m = re.search(r"\b([A-Z]\d{2,4})\b", name or "")
+    return m.group(1).lower() if m else "cpu" if (name or "cpu").startswith("cpu") else "gpu"
 
 
 # ---------------------------------------------------------------------------------------------------------- JSON
@@ -136,88 +118,12 @@ def append_row(path: str, row: dict) -> None:
     save_rows(path, load_rows(path) + [row])
 
 
-def rows_for_card(path: str, card_name: str) -> str:
-    """``path``, or where its rows go on this card: the device tool may hand an H100 to a call that named the H200,
-    and an ``h200_*.json`` must hold H200 rows only (their tables and planners compare rows across calls), so on
-    another GPU ``h200_x.json`` becomes ``h100_x.json`` (``gpu_x.json`` for any other card) beside it, said once."""
-    base = os.path.basename(path)
-    if not base.startswith("h200_") or "H200" in card_name or card_name.startswith("cpu"):
-        return path
-    other = os.path.join(os.path.dirname(path), ("h100_" if "H100" in card_name else "gpu_") + base[len("h200_"):])
-    print(f"[bench] this card is {card_name.split(',')[0]}, not an H200: rows go to {other}, not {path}", flush=True)
-    return other
+def shim(name: str) -> str:
+    """The directory of ``llamafactory_liger_fsdp/testing/<name>`` (``cpu_fsdp_shim``, ``cpu_v1_shim``) that a CPU run
+    puts on PYTHONPATH; found without importing the package."""
+    from importlib.util import find_spec
 
-
-# ---------------------------------------------------------------------------------------------------------- GPU timing
-
-
-def cuda_ms(fn, reps=10, warmup=2):
-    """Median CUDA-event milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` (synchronised each call)."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
-def matmul_tflops(n=8192, reps=10):
-    """This card's bf16 matmul rate (n^3 GEMM, 3 warm-ups, median of ``reps`` short bursts), TFLOP/s."""
-    import torch
-
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return 2 * n**3 / (cuda_ms(lambda: a @ b, reps=reps, warmup=3) * 1e-3) / 1e12
-
-
-def make_inputs(n, h, v, seed=0, dtype=None, ignore=0.25, scale=1.0):
-    """Hidden states ``[n, h]`` (N(0, 1) x ``scale``), a head ``[v, h]`` (N(0, 4 / h)), both in ``dtype`` (default
-    bf16), and labels with a fraction ``ignore`` set to -100; on the GPU, from a generator seeded with ``seed``."""
-    import torch
-
-    dtype = torch.bfloat16 if dtype is None else dtype
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    hidden = (torch.randn(n, h, device="cuda", generator=g, dtype=torch.float32) * scale).to(dtype)
-    weight = (torch.randn(v, h, device="cuda", generator=g, dtype=torch.float32) * (2.0 / math.sqrt(h))).to(dtype)
-    y = torch.randint(0, v, (n,), device="cuda", generator=g)
-    y[torch.rand(n, device="cuda", generator=g) < ignore] = -100
-    return hidden, weight, y
-
-
-def flce_impl(name):
-    """A fused-loss call ``fn(h, w, y) -> loss`` by name: ``project_fast`` (``triton_fast``; ``project_fast@R``: R rows
-    a chunk), ``project`` (lean ``triton``), ``liger`` (Liger's fused loss), ``torch`` (unfused)."""
-    import torch
-
-    from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
-
-    if name.startswith("project_fast"):
-        from llamafactory_liger_fsdp.ops import triton_common
-
-        rows = int(name.split("@")[1]) if "@" in name else triton_common.FAST_CHUNK_ROWS
-
-        def fn(h, w, y):
-            triton_common.FAST_CHUNK_ROWS = rows
-            return fused_linear_cross_entropy(h, w, y, backend="triton_fast")
-
-        return fn
-    if name == "project":
-        return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend="triton")
-    if name == "liger":
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-
-        loss = LigerFusedLinearCrossEntropyLoss()
-        return lambda h, w, y: loss(w, h, y)
-    if name == "torch":
-        return lambda h, w, y: torch.nn.functional.cross_entropy((h @ w.t()).float(), y)
-    raise ValueError(name)
+    return os.path.join(list(find_spec("llamafactory_liger_fsdp").submodule_search_locations)[0], "testing", name)
 
 
 # ---------------------------------------------------------------------------------------------------------- LLaMA-Factory runs
@@ -283,7 +189,7 @@ def filling_words(cutoff: int) -> int:
     return int(cutoff / 1.3)
 
 
-# the real-depth model of bench/depth_h200.py and bench/depth_dpo_vlm_h200.py (six 128k packs of data)
+# the real-depth model of bench/depth.py (six 128k packs of data)
 DEPTH_MODEL = dict(name="llama3-8b-L32", spec="llama3-8b", layers=32, max_position=131072, rows=1400,
                    answer_words=(300, 500))
 

@@ -1,5 +1,5 @@
 """How long the test tiers take on this machine (the README's "fast tier" figure): runs them through the README's test
-command and writes one JSON row per tier.
+command and appends one JSON row per tier to --out (a list; the CI rows of fresh clones are added there by hand).
 
     python bench/cpu_test_times.py [--full] [--out bench/results/cpu_test_times.json]
 """
@@ -33,13 +33,15 @@ def run(tier: str) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="also the whole suite (what CI runs)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "cpu_test_times.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "cpu_test_times.json"),
+                    help="the rows' JSON, appended to")
     args = ap.parse_args()
     rows = [run("fast")] + ([run("full")] if args.full else [])
+    old = json.load(open(args.out)) if os.path.exists(args.out) else []
     with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump(old + rows, f, indent=1)
     for r in rows:
         print(f"{r['tier']}: {r['seconds']:.0f} s, rc {r['rc']}, {r.get('passed', 0)} passed, {r.get('failed', 0)} failed")
 

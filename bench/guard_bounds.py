@@ -66,8 +66,8 @@ def one(name: str, head: str, dtype: torch.dtype, inject: float | None) -> dict:
 def main():
     from llamafactory_liger_fsdp.testing import ALL
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "guard_bounds.json"))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "guard_bounds.json"), help="the rows' JSON")
     ap.add_argument("--names", default=",".join(ALL))
     ap.add_argument("--heads", default="mts,lora,full")
     ap.add_argument("--dtypes", default="float32,bfloat16,float16")

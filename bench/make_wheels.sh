@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds .whl/: the wheels a device call carries (`carry: [".whl"]`) for what the GPU image lacks, plus the plugin's own
-# wheel and .whl/PLUGIN_COMMIT (recorded on every bench row). bench/run_h200.sh installs every wheel found there.
+# wheel and .whl/PLUGIN_COMMIT (recorded on every bench row). bench/run_gpu.sh installs every wheel found there.
 #   bash bench/make_wheels.sh            # from the repository root; needs the package registries (~15 s)
 # The image runs CPython 3.12 on x86_64. DeepSpeed is published as a source archive only: it is built here into a
 # pure-Python wheel (DS_BUILD_OPS=0, ops compiled at first use as DeepSpeed does by default), with its small

@@ -10,7 +10,7 @@ Each run is bench/common.py's ``run`` (the seed's adapter, packing, bf16, gradie
 (accelerate alone would train DDP on a CPU), the Triton kernels interpreted. ``liger_fsdp_auto`` runs ``triton_fast``
 (what ``auto`` picks on CUDA); Liger's own kernels do not run under the interpreter, so its variants are not
 offered. ``--stage dpo``: pairs of ``--cutoff`` tokens a side, sigmoid, the reference = the adapter disabled (as
-bench/depth_dpo_vlm_h200.py).
+bench/depth.py dpo).
 
 Rows (``twin``: s, ``card``: "cpu") carry the H200 keys as predictions -- ``peak_gib`` and the phase peaks are CPU
 bytes times s^2, ``peak_gib`` the steps' highest -- ``setup_peak_gib`` (before step 1: model load, wrapping,
@@ -26,13 +26,13 @@ import os
 import tempfile
 
 from common import (MODELS, ROOT, TWIN_ENV, VARIANTS, append_row, build, commit, filling_words, load_rows, now,
-                    run, twin_groups, twin_lines, twin_spec, versions)
+                    run, shim, twin_groups, twin_lines, twin_spec, versions)
 
 OFFERED = ("plain", "liger_fsdp", "liger_fsdp_fast", "liger_fsdp_auto", "liger_fsdp_noguard")
-DEPTH_NAME = {"liger_fsdp_fast": "plugin"}  # bench/depth_h200.py's name of a variant (the others are the same)
+DEPTH_NAME = {"liger_fsdp_fast": "plugin"}  # bench/depth.py's and speed.py's name of a variant (the others the same)
 # H200 rows measured in the same setup (file, how to pick the row), for the table
-MEASURED = {("sft", 2): ("h200_sft_phases.json", lambda r, v, c: r.get("variant") == v
-                         and r.get("tokens_per_gpu_step") == c and r.get("nproc") == 1),
+MEASURED = {("sft", 2): ("h200_speed.json", lambda r, v, c: r.get("variant") == DEPTH_NAME.get(v, v)
+                         and r.get("cutoff_len") == c and r.get("scenario") == "fsdp2_sft" and not r.get("rc")),
             ("sft", 32): ("h200_depth.json", lambda r, v, c: r.get("variant") == DEPTH_NAME.get(v, v)
                           and r.get("cutoff") == c and r.get("sharding") == "fsdp2" and "part" not in r),
             ("dpo", 32): ("h200_depth.json", lambda r, v, c: r.get("part") == "dpo" and r.get("cutoff") == c
@@ -57,9 +57,8 @@ def twin_run(mdir: str, spec: dict, variant: str, args) -> dict:
         overrides.update(DPO)
     if variant == "liger_fsdp_auto" or (variant != "plain" and "liger_fsdp_backend" not in VARIANTS[variant]):
         overrides["liger_fsdp_backend"] = "triton_fast"
-    shim = os.path.join(ROOT, "tests", "cpu_fsdp_shim")  # accelerate alone would train DDP on a CPU
     env = {TWIN_ENV: str(s), "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(os.cpu_count()),
-           "PYTHONPATH": os.pathsep.join([shim, os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([shim("cpu_fsdp_shim"), os.environ.get("PYTHONPATH", "")])}  # else DDP on CPU
     row = run(mdir, spec, variant, args.steps, args.work, cutoff=args.cutoff // s, overrides=overrides, env=env,
               tag=f"twin{s}_{args.stage}_L{args.layers}_{args.cutoff}_{variant}", timeout=args.timeout)
     row.update(twin=s, stage=args.stage, layers=args.layers, cutoff=args.cutoff, card="cpu", date=now(),
@@ -77,14 +76,14 @@ def twin_run(mdir: str, spec: dict, variant: str, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", type=int, default=8)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--cutoff", type=int, default=16384, help="the GPU run's tokens (the twin runs cutoff / scale)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--stage", choices=["sft", "dpo"], default="sft")
     ap.add_argument("--variants", default="plain,liger_fsdp,liger_fsdp_fast")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "cpu_twin.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "cpu_twin.json"), help="the rows' JSON")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "memory_twin"))
     ap.add_argument("--timeout", type=float, default=1800.0)
     args = ap.parse_args()

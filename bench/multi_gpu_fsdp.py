@@ -16,11 +16,11 @@ Parts (``--parts``, comma separated; every run is a real torchrun launch of LLaM
 
 On GPUs (NCCL; NVLink multicast is switched off as the device README asks)::
 
-    python bench/multi_gpu_fsdp.py --nproc 2 --parts repro,curves --out bench/results/h200x2.json
-    python bench/multi_gpu_fsdp.py --nproc 2 --parts heads --out bench/results/h200x2.json   # appends
+    python bench/multi_gpu_fsdp.py --nproc 2 --parts repro,curves      # rows to bench/results/{card}x2_fsdp.json
+    python bench/multi_gpu_fsdp.py --nproc 2 --parts heads             # appends
 
-On the CPU (2 gloo ranks, the tiny local model, ``tests/cpu_fsdp_shim``; what CI runs to keep the
-script working, and the CPU reproduction of the crash)::
+On the CPU (2 gloo ranks, the tiny local model, the package's ``testing/cpu_fsdp_shim``; what CI runs to keep
+the script working, and the CPU reproduction of the crash)::
 
     python bench/multi_gpu_fsdp.py --cpu-smoke --parts repro,curves --out /tmp/smoke.json
 
@@ -35,7 +35,7 @@ import os
 import subprocess
 import sys
 
-from common import MAKE_ASSETS, MODELS, ROOT, build, run
+from common import MAKE_ASSETS, MODELS, ROOT, build, card, card_key, run, shim
 
 # Qwen2.5-7B's shape (untied head, vocab 152064) is the "Qwen2.5-shaped model" of the seed report
 REPRO_MODEL = "qwen2.5-7b"
@@ -70,10 +70,11 @@ def max_rel(a, b):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--parts", default="repro,curves,heads")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "h200x2.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "{card}x2_fsdp.json"),
+                    help="the rows' JSON ({card}: the card's short name, h200, h100, ...)")
     ap.add_argument("--work", default="/tmp/multi_gpu")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--curve-steps", type=int, default=20)
@@ -82,9 +83,11 @@ def main():
     ap.add_argument("--head-tokens", type=int, default=16384)
     ap.add_argument("--fsdp", default="1,2", help="FSDP versions for curves/heads")
     ap.add_argument("--cpu-smoke", action="store_true", help="2 gloo ranks on the CPU, the tiny model, tiny steps")
-    ap.add_argument("--cpu-shim", default=None, help="with --cpu-smoke: a directory put on PYTHONPATH that lets "
-                    "accelerate shard on CPU ranks (the test suite passes its tests/cpu_fsdp_shim)")
+    ap.add_argument("--cpu-shim", default=shim("cpu_fsdp_shim"), help="with --cpu-smoke: a directory put on "
+                    "PYTHONPATH that lets accelerate shard on CPU ranks (default: the package's testing/cpu_fsdp_shim)")
     args = ap.parse_args()
+    gpu = "cpu" if args.cpu_smoke else card()
+    args.out = args.out.replace("{card}", card_key(gpu))
     os.makedirs(args.work, exist_ok=True)
     parts = args.parts.split(",")
     versions = [int(v) for v in args.fsdp.split(",")]
@@ -92,9 +95,7 @@ def main():
     env = dict(NCCL_ENV)
     common = {}
     if args.cpu_smoke:
-        # the test-only shim lets accelerate shard on CPU ranks; Liger's Triton kernels run interpreted
-        if not args.cpu_shim:
-            ap.error("--cpu-smoke needs --cpu-shim (accelerate never shards on CPU ranks on its own)")
+        # the shim lets accelerate shard on CPU ranks; Liger's Triton kernels run interpreted
         env.update(PYTHONPATH=os.pathsep.join(p for p in (args.cpu_shim, os.environ.get("PYTHONPATH")) if p),
                    OMP_NUM_THREADS="1", TRITON_INTERPRET="1", CPU_FSDP_SHIM_SKIP_SAVE="1", LF_BENCH_LIGER_LOSS_ONLY="1")
         common = dict(use_cpu=True, bf16=False, lora_rank=4, preprocessing_num_workers=1, learning_rate=1e-3,
@@ -114,7 +115,7 @@ def main():
         tag = f"{part}_{os.path.basename(mdir)}_{label or variant}_fsdp{fsdp_version}"
         row = run(mdir, spec, variant, steps, args.work, nproc=args.nproc, fsdp_version=fsdp_version, cutoff=tokens,
                   overrides={**common, **(overrides or {})}, env=env, tag=tag)
-        row.update(part=part, label=label or variant)
+        row.update(part=part, label=label or variant, card=gpu)
         if row["rc"]:
             row["error_line"] = error_line(row)
         row.pop("log_tail", None)

@@ -1,7 +1,6 @@
-"""The real-depth DPO / VLM benchmark (`bench/depth_dpo_vlm_h200.py --smoke`) on the CPU: plain and plugin runs of
-both parts through the bench launcher, so the script an H200 call needs keeps working. The rows carry what issue 28's
-table needs (depth_h200.py's keys), the engaged line, and the guard line of each plugin run: exact on the DPO
-policy's first log-probs and on the VLM's images."""
+"""The real-depth benchmark (`bench/depth.py dpo|vlm --smoke`) on the CPU: plain and plugin runs through the bench
+launcher, so the script a GPU call needs keeps working. The rows carry the depth table's keys, the engaged line, and
+the guard line of each plugin run: exact on the DPO policy's first log-probs and on the VLM's images."""
 
 import json
 import os
@@ -22,7 +21,7 @@ KEYS = ("model", "layers", "stage", "sharding", "variant", "cutoff", "images", "
 def test_depth_dpo_vlm_smoke(tmp_path, part):
     out = tmp_path / "rows.json"
     env = dict(os.environ, PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "depth_dpo_vlm_h200.py"), part, "--smoke", "--runs", "1",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "depth.py"), part, "--smoke", "--runs", "1",
                            "--cutoffs", "128", "--work", str(tmp_path), "--out", str(out)],
                           capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -31,7 +31,7 @@ def smoke(tmp_path_factory):
     env = dict(os.environ, PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
     env.pop("ALLOW_EXTRA_ARGS", None)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "multi_gpu_fsdp.py"), "--cpu-smoke", "--cpu-shim", str(ROOT / "tests" / "cpu_fsdp_shim"), "--parts", "repro,curves", "--fsdp", "1",
+        [sys.executable, str(ROOT / "bench" / "multi_gpu_fsdp.py"), "--cpu-smoke", "--parts", "repro,curves", "--fsdp", "1",
          "--work", str(work), "--out", str(out)],
         capture_output=True, text=True, timeout=900, env=env,
     )

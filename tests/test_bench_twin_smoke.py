@@ -1,4 +1,4 @@
-"""The CPU memory twin's scripts run end to end (bench/memory_twin.py for LLaMA-Factory, bench/v1_h200.py --twin for
+"""The CPU memory twin's scripts run end to end (bench/memory_twin.py for LLaMA-Factory, bench/v1.py --twin for
 v1) at scale 64 on one CPU rank: a row per variant with a peak and its three phases, the set-up's peak, the live
 allocations at both, the package's sizes divided (its log line) -- plumbing only; bench/RESULTS.md section 12 has the
 figures."""
@@ -51,7 +51,7 @@ def test_memory_twin_llamafactory(tmp_path):
 
 
 def test_memory_twin_v1(tmp_path):
-    (row,) = _bench("v1_h200.py", tmp_path, "--twin", "64", "--runs", "1", "--variants", "plugin-head")
+    (row,) = _bench("v1.py", tmp_path, "--twin", "64", "--runs", "1", "--variants", "plugin-head")
     _check(row, 64)
     assert "backend=triton_fast" in row["engaged"] and "guard:" in row["guard"]
     assert "ops.triton_rows.FAST_STORE_MAX_BYTES=262144" in row["twin_constants"]

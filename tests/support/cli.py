@@ -18,7 +18,7 @@ def build(out: Path, *extra: str) -> Path:
     return out
 
 
-SHIM = ROOT / "tests" / "cpu_fsdp_shim"
+SHIM = ROOT / "llamafactory_liger_fsdp" / "testing" / "cpu_fsdp_shim"
 
 
 def base_yaml(assets: Path, out: Path, **overrides) -> dict:

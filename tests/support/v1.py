@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .cli import ROOT
 
-SHIM = ROOT / "tests" / "cpu_v1_shim"
+SHIM = ROOT / "llamafactory_liger_fsdp" / "testing" / "cpu_v1_shim"
 
 
 def v1_yaml(assets: Path, out: Path, head: str = "mts", plugin: bool = True, **overrides) -> dict:

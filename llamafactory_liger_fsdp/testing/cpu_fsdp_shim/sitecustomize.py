@@ -6,7 +6,8 @@ PYTHONPATH so every process of a `llamafactory-cli train` run (the torchrun work
 forces the FSDP type whenever an FSDP plugin was given. The tests then assert that the model
 really is sharded (FSDP units / DTensor parameters) -- this shim alone proves nothing.
 
-Never used outside tests/.
+Test support only: tests/ (tests/support/cli.py) and bench/'s CPU runs (bench/common.py's ``shim``) put this directory
+on PYTHONPATH; the package never imports it.
 """
 
 import importlib.abc

@@ -1,4 +1,4 @@
-"""Side-by-side LLaMA-Factory runs on one H200 (world size 1): tokens/s, peak memory and per-step losses for each
+"""Side-by-side LLaMA-Factory runs on one GPU (world size 1): tokens/s, peak memory and per-step losses for each
 scenario and variant, one JSON row per run appended to ``--out``. The model is the 2-layer Llama-3-8B shape of
 bench/common.py's MODELS (real 128k head, random weights), LoRA r16, bf16; each run is bench/common.py's run (torchrun
 + bench/lf_bench_launch.py): tokens/s = tokens a step / median step time after step 1.
@@ -11,12 +11,16 @@ applies that policy itself), liger also with stage3_param_persistence_threshold 
 reference, one pair (KTO: one example + its KL completion) a step whose answers fill cutoff_len 2048 / 8192.
 Variants: plain, liger (enable_liger_kernel), plugin (liger_fsdp: true), plugin+liger (both).
 
-    python bench/speed_h200.py [--scenarios fsdp2_sft,dpo_8k:1] [--variants plain,plugin] [--runs 2] [--steps 5]
-                               [--out bench/results/h200_speed.json] [--deadline 540] [--dry-run | --smoke]
+    python bench/speed.py [--scenarios fsdp2_sft,dpo_8k:1] [--variants plain,plugin] [--runs 2] [--steps 5]
+                          [--out bench/results/{card}_speed.json] [--deadline 540] [--dry-run | --smoke]
+    python bench/speed.py --table [--plot] [--out bench/results/h200_speed.json]   # medians and ratios, charts
 
 ``name:k`` gives one scenario k runs instead of --runs, ``name:k:a/b`` also its variants. Run r plays the variants in order on even r and reversed on odd r; run numbers continue those already in --out for
 the scenario. --deadline S: no run starts that would end (by the longest run so far) more than S s after the start.
---smoke: CPU plumbing check (tiny local model, fp32, no FSDP/DeepSpeed, 3 steps, a temp JSON).
+--smoke: CPU plumbing check (tiny local model, fp32, no FSDP/DeepSpeed, 3 steps, a temp JSON). ``{card}`` in --out is the
+card's short name (h200, h100, ...); rows carry ``card``. ``--table`` / ``--plot``: per card and scenario, the median
+tokens/s and peak of each variant and its ratio to plain (and Liger), and two charts beside --out
+(<card>_speed_tokens.png, <card>_speed_memory.png); rows marked ``superseded`` are left out.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ import sys
 import tempfile
 import time
 
-from common import (MAKE_ASSETS, MODELS, ROOT, build, card, ds_json, dump_json, load_rows, log_line, now, rows_for_card, run,
-                    versions)
+from common import (MAKE_ASSETS, MODELS, ROOT, build, card, card_key, ds_json, dump_json, load_rows, log_line, now,
+                    run, versions)
 
 SPEC = MODELS["llama3-8b"]
 KEYS = {"plain": "plain", "liger": "liger", "plugin": "liger_fsdp_auto", "plugin+liger": "liger+liger_fsdp",
@@ -126,12 +130,17 @@ def main():
     ap.add_argument("--variants", default=None, help="comma list (default: each scenario's own; --smoke: plain,plugin)")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None, help="default 5 (--smoke: 3)")
-    ap.add_argument("--out", default=None, help="default bench/results/h200_speed.json (--smoke: a temp file)")
+    ap.add_argument("--out", default=None, help="default bench/results/{card}_speed.json (--smoke: a temp file)")
     ap.add_argument("--work", default=None, help="default /tmp/real_size (--smoke: /tmp/speed_smoke)")
     ap.add_argument("--deadline", type=float, default=None, help="seconds from the start; no run starts past it")
     ap.add_argument("--dry-run", action="store_true", help="write and print each run's yaml, run nothing")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check on the tiny local model")
+    ap.add_argument("--table", action="store_true", help="print the medians of --out's rows; run nothing")
+    ap.add_argument("--plot", action="store_true", help="with --table: draw the two charts beside --out")
     args = ap.parse_args()
+    if args.table:
+        return table([r for r in load_rows(args.out or os.path.join(ROOT, "bench", "results", "h200_speed.json"))
+                      if not r.get("superseded")], args.out if args.plot else None)
     t0, smoke = time.monotonic(), args.smoke
     names = (args.scenarios or ("fsdp2_sft,dpo_2k" if smoke else ",".join(SCENARIOS))).split(",")
     # "dpo_2k:1": that scenario's number of runs; "zero3_sft_bf16:1:plugin@persist/plain": and its variants
@@ -146,14 +155,13 @@ def main():
     if set(wanted) - set(KEYS):
         ap.error(f"unknown variant(s) {sorted(set(wanted) - set(KEYS))}; known: {', '.join(KEYS)}")
     steps = args.steps or (3 if smoke else 5)
-    out = args.out or (os.path.join(tempfile.gettempdir(), "h200_speed_smoke.json") if smoke else
-                       os.path.join(ROOT, "bench", "results", "h200_speed.json"))
+    out = args.out or (os.path.join(tempfile.gettempdir(), "speed_smoke.json") if smoke else
+                       os.path.join(ROOT, "bench", "results", "{card}_speed.json"))
     work = args.work or ("/tmp/speed_smoke" if smoke else "/tmp/real_size")
     os.makedirs(work, exist_ok=True)
-    if not smoke and not args.dry_run:
-        out = rows_for_card(out, card())
+    gpu = "cpu (smoke)" if smoke else card()
+    out = out.replace("{card}", card_key(gpu))
     existing, vers, session = load_rows(out), versions(), now()
-    device = "cpu (smoke)" if smoke else None
     done, skipped, walls = [], [], []
     for name in names:
         variants = [v for v in SCENARIOS[name]["variants"] if v in only.get(name, wanted)]
@@ -168,10 +176,6 @@ def main():
                     print(f"### {name} {variant} run {r}  env={env}\n{open(res['yaml']).read()}")
                     continue
                 mdir = assets(work, SCENARIOS[name]["assets"], smoke)
-                if device is None:
-                    import torch
-
-                    device = torch.cuda.get_device_name(0)
                 elapsed = time.monotonic() - t0
                 if args.deadline and elapsed + max(walls, default=45) > args.deadline:
                     skipped.append(f"{name}:{variant}:r{r}")
@@ -189,7 +193,7 @@ def main():
                 if "log_tail" in row:  # keep the worker's traceback, not torchrun's own
                     row["log_tail"] = row["log_tail"].split("torch/distributed/elastic/multiprocessing/api.py")[0][-1500:]
                 row.update(scenario=name, variant=variant, run=r, wall_s=round(walls[-1], 1), date=now(), session=session,
-                           device=device, versions=vers, smoke=smoke, steps=steps, cutoff_len=cutoff,
+                           card=gpu, versions=vers, smoke=smoke, steps=steps, cutoff_len=cutoff,
                            cast=log_line(log, "[lf_bench] compute dtype") or log_line(log, "[liger_fsdp] DeepSpeed ZeRO-3: train"),
                            liger_line=log_line(log, "Liger kernel has been applied"),
                            trace_invalidated=log.count("Invalidate trace cache"), **notes)
@@ -199,23 +203,64 @@ def main():
                       f"{row.get('peak_gib') or 0:.2f} GiB, {walls[-1]:.0f} s {row.get('error') or ''}", flush=True)
     if args.dry_run:
         return
-    print(f"\n{len(done)} row(s) appended to {out} ({time.monotonic() - t0:.0f} s); {device}; "
+    print(f"\n{len(done)} row(s) appended to {out} ({time.monotonic() - t0:.0f} s); {gpu}; "
           + " ".join(f"{k} {v}" for k, v in vers.items()))
-    print(f"{'scenario':16s} {'variant':12s} {'r':>2s} {'tok/s':>7s} {'GiB':>6s} {'wall':>5s}  losses / error")
-    for row in done:
-        tail = (row.get("error") or "")[:80] if row.get("rc") else " ".join(f"{x:.4f}" for x in row.get("step_losses") or [])
-        print(f"{row['scenario']:16s} {row['variant']:12s} {row['run']:2d} {row.get('tokens_per_s') or 0:7.0f} "
-              f"{row.get('peak_gib') or 0:6.2f} {row['wall_s']:5.0f}  {tail}")
     if skipped:
         print(f"not run (--deadline {args.deadline:.0f} s): {' '.join(skipped)}")
-    medians = {}
-    for row in load_rows(out):
-        if not row.get("rc") and bool(row.get("smoke")) == smoke:
-            medians.setdefault((row["scenario"], row["variant"]), []).append(row)
-    print("all rows in the file, median over runs: " + "; ".join(
-        f"{s} {v} x{len(rs)} {statistics.median(r['tokens_per_s'] for r in rs):.0f} tok/s "
-        f"{statistics.median(r['peak_gib'] for r in rs):.1f} GiB" for (s, v), rs in medians.items()))
+    table([r for r in load_rows(out) if bool(r.get("smoke")) == smoke and not r.get("superseded")])
 
+
+ORDER = ("plain", "liger", "plugin", "plugin+liger", "plugin@persist")
+COLORS = {"plain": "#7f7f7f", "liger": "#1f77b4", "plugin": "#d62728", "plugin+liger": "#ff7f0e", "plugin@persist": "#9467bd"}
+
+
+def table(rows, plot_beside=None):
+    """Per card and scenario: each variant's runs, median tokens/s and peak, ratios to plain and Liger; charts."""
+    name = lambda r: (r.get("card") or r.get("device") or "?").split(",")[0]  # noqa: E731 (older rows: device)
+    for gpu in sorted({name(r) for r in rows}):
+        groups = {}
+        for r in rows:
+            if name(r) == gpu and not r.get("rc"):
+                groups.setdefault(r["scenario"], {}).setdefault(r["variant"], []).append(r)
+        print(f"\n{gpu}\n| scenario | variant | runs | median tokens/s | median peak GiB | x plain | x liger |")
+        print("|---|---|---|---|---|---|---|")
+        med = {(s, v): (statistics.median(r["tokens_per_s"] for r in rs), statistics.median(r["peak_gib"] for r in rs))
+               for s, vs in groups.items() for v, rs in vs.items()}
+        for s, vs in groups.items():
+            for v in sorted(vs, key=lambda v: ORDER.index(v) if v in ORDER else len(ORDER)):
+                t, p = med[s, v]
+                x = [f"{t / med[s, b][0]:.3f}" if (s, b) in med else "-" for b in ("plain", "liger")]
+                print(f"| {s} | {v} | {len(vs[v])} | {t:.0f} | {p:.2f} | {x[0]} | {x[1]} |")
+        if plot_beside:
+            plot(groups, med, gpu, os.path.join(os.path.dirname(os.path.abspath(plot_beside)), card_key(gpu)))
+
+
+def plot(groups, med, gpu, prefix):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = [v for v in ORDER if any(v in vs for vs in groups.values())]
+    width = 0.8 / max(len(variants), 1)
+    for key, k, label in (("tokens", 0, "tokens/s"), ("memory", 1, "peak GiB allocated")):
+        fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(groups) + 2), 5))
+        for i, (s, vs) in enumerate(groups.items()):
+            present = [v for v in variants if v in vs]  # each scenario's own variants, centred on its tick
+            for j, v in enumerate(present):
+                x = i + (j - (len(present) - 1) / 2) * width
+                ax.bar(x, med[s, v][k], width * 0.9, color=COLORS[v])
+                vals = [r["tokens_per_s" if k == 0 else "peak_gib"] for r in vs[v]]
+                ax.scatter([x] * len(vals), vals, s=12, color="black", zorder=3)
+        ax.legend([plt.Rectangle((0, 0), 1, 1, color=COLORS[v]) for v in variants], variants, fontsize=8)
+        ax.set_xticks(range(len(groups)), list(groups), rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(f"{label} (median bar, one dot per run)")
+        ax.set_title(f"{gpu}, 2-layer Llama-3-8B shape, world size 1", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(f"{prefix}_speed_{key}.png", dpi=120)
+        plt.close(fig)
+    print(f"charts: {prefix}_speed_tokens.png {prefix}_speed_memory.png")
 
 if __name__ == "__main__":
     main()

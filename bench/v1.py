@@ -1,4 +1,4 @@
-"""LLaMA-Factory's v1 engine (``USE_V1=1``) on one H200: v1's own training against the plugin (kernel ``liger_fsdp``),
+"""LLaMA-Factory's v1 engine (``USE_V1=1``) on one GPU: v1's own training against the plugin (kernel ``liger_fsdp``),
 tokens/s and peak memory, one JSON row per run appended to ``--out`` (keys as bench/results/h200_speed.json's).
 
 Model: the 2-layer Llama-3-8B shape of bench/common.py's MODELS (real 128k head, random weights, bf16 on disk), the
@@ -8,16 +8,17 @@ trains: variant ``plain-head``), v1's FSDP2 at world size 1, v1's defaults other
 checkpointing, normal batching): one sample of ``--cutoff`` tokens a step (answers long enough to fill it). Each run is
 ``torchrun bench/v1_launch.py``; tokens/s = the step's tokens / its time, median over the steps after the first.
 
-    python bench/v1_h200.py [--variants plain,plain-head,plugin,plugin-head(,plugin-head-lean)] [--runs 2] [--steps 5] [--cutoff 16384]
-                            [--out bench/results/h200_v1.json] [--deadline 540] [--smoke | --twin S]
+    python bench/v1.py [--variants plain,plain-head,plugin,plugin-head(,plugin-head-lean)] [--runs 2] [--steps 5]
+                       [--cutoff 16384] [--out bench/results/{card}_v1.json] [--deadline 540] [--smoke | --twin S]
 
 Run r plays the variants in order on even r and reversed on odd r. --deadline S: no run starts that would end (by the
 longest run so far) more than S s after the start. --smoke: CPU plumbing check (the tiny local model, fp32, cutoff 128,
-gloo, the test-only shim for v1's step-end synchronize on a CUDA build of torch; a temp JSON unless --out is given).
+gloo, the package's CPU shim for v1's step-end synchronize on a CUDA build of torch; a temp JSON unless --out is given).
 --twin S: the CPU memory twin of the H200 run (bench/common.py): hidden, intermediate, vocabulary, heads, tokens and
 LoRA rank divided by S, bf16 and checkpointing as on the GPU, the Triton kernels interpreted with the backend the GPU
 picks (``triton_fast``), gloo; each row's ``peak_gib`` is the CPU peak times S^2 (the H200 prediction), phases and the
-live allocations at the peak likewise; rows to bench/results/cpu_twin_v1.json; no tokens/s.
+live allocations at the peak likewise; rows to bench/results/cpu_twin_v1.json; no tokens/s. ``{card}`` in --out is the
+card's short name (h200, h100, ...).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ import sys
 import tempfile
 import time
 
-from common import (MAKE_ASSETS, MODELS, ROOT, TWIN_ENV, append_row, build, card, commit, error_line, filling_words,
-                    log_line, now, rows_for_card, twin_groups, twin_lines, twin_spec, versions)
+from common import (MAKE_ASSETS, MODELS, ROOT, TWIN_ENV, append_row, build, card, card_key, commit, error_line,
+                    filling_words, log_line, now, shim, twin_groups, twin_lines, twin_spec, versions)
 
 HEAD_ONLY = ["lm_head"]
 SEED = ["lm_head", "embed_tokens"]
@@ -89,8 +90,7 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
         os.remove(result)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if args.smoke or args.twin:
-        env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(
-            [os.path.join(ROOT, "tests", "cpu_v1_shim"), env.get("PYTHONPATH", "")]))
+        env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join([shim("cpu_v1_shim"), env.get("PYTHONPATH", "")]))
     if args.twin:
         env.update({TWIN_ENV: str(args.twin), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": str(os.cpu_count() or 1)})
     with socket.socket() as sock:
@@ -130,12 +130,13 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default="plain,plain-head,plugin,plugin-head")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cutoff", type=int, default=16384)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="the rows' JSON (default bench/results/{card}_v1.json; --twin: "
+                    "cpu_twin_v1.json; --smoke: WORK/smoke.json)")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "v1_bench"))
     ap.add_argument("--deadline", type=float, default=540.0)
     ap.add_argument("--timeout", type=float, default=600.0)
@@ -145,14 +146,14 @@ def main() -> None:
     if args.smoke:
         args.cutoff, args.steps, args.twin = min(args.cutoff, 128), min(args.steps, 2), 0
     out = args.out or (os.path.join(args.work, "smoke.json") if args.smoke else
-                       os.path.join(ROOT, "bench", "results", "cpu_twin_v1.json" if args.twin else "h200_v1.json"))
+                       os.path.join(ROOT, "bench", "results", "cpu_twin_v1.json" if args.twin else "{card}_v1.json"))
     os.makedirs(args.work, exist_ok=True)
     model, data = assets(args.work, args.smoke, args.cutoff, args.twin)
     start, longest = time.time(), 0.0
     variants = args.variants.split(",")
     meta = {"date": now(), "card": "cpu" if args.twin else card(), "versions": versions(), "smoke": args.smoke,
             "commit": commit()}
-    out = rows_for_card(out, meta["card"])
+    out = out.replace("{card}", card_key(meta["card"]))
     print(f"{'run':>3} {'variant':12} {'fits':>5} {'tokens/s':>10} {'peak GiB':>9}  step-1 loss")
     for r in range(args.runs):
         for variant in (variants if r % 2 == 0 else variants[::-1]):

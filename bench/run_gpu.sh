@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One GPU call of a bench script on a machine whose image has torch and triton but not the rest of the stack (the
+# lent device tool's), so anyone can rerun the figures of bench/RESULTS.md:
+#   bash bench/run_gpu.sh kernel                          # bench_flce.py --check, then the benchmark (KERNEL_ARGS)
+#   DEPTH_ARGS="sft --cutoffs 32768 --search" bash bench/run_gpu.sh depth   # bench/depth.py (sft, dpo or vlm)
+#   SPEED_ARGS="--scenarios fsdp2_sft --runs 2" bash bench/run_gpu.sh speed # bench/speed.py
+#   V1_ARGS="--runs 2" bash bench/run_gpu.sh v1                              # bench/v1.py
+#   bash bench/run_gpu.sh multi                           # bench/multi_gpu_fsdp.py on every GPU of the machine
+# LIMIT (seconds, default 570) bounds the whole command, the installs included: each script gets the rest as its
+# --deadline. Wheels that the image lacks travel in .whl/ (bash bench/make_wheels.sh builds them: LLaMA-Factory's stack,
+# Liger, DeepSpeed and the plugin's own wheel, pip-installed so its .pth hook is real). Rows go to $OUT (default
+# bench/results) as <card>_<kind>.json; each starts as a copy of bench/results' file of that name, so copy it back
+# after the call. Runs that failed leave their log tail in $OUT.
+set -uo pipefail
+OUT=${OUT:-bench/results}
+LIMIT=${LIMIT:-570}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@" || exit 1; }
+install_stack() {  # the plugin's wheel pip-installed for real (its .pth hook must land in site-packages), then the rest
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/llamafactory_liger_fsdp-*.whl || exit 1
+  install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
+  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+}
+keep_rows() {  # $OUT/<card>_$1.json starts as a copy of bench/results' (the rows so far, appended to)
+  for f in bench/results/*_"$1".json; do
+    if [ -f "$f" ] && [ ! -e "$OUT/$(basename "$f")" ]; then cp "$f" "$OUT/"; fi
+  done
+}
+failed_logs() {  # the log tails of runs that left no result JSON
+  for f in "$1"/*_r[0-9]*.log; do
+    [ -e "$f" ] && [ ! -s "${f%.log}.json" ] && tail -c 4000 "$f" > "$OUT/fail_$(basename "$f")"
+  done 2>/dev/null
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
+case "${1:-}" in
+  kernel)
+    install .whl/liger_kernel-*.whl .whl/cut_cross_entropy-*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    timeout $((LIMIT * 3 / 10)) python3 bench/bench_flce.py --check --out "$OUT/{card}_kernel3_check.json" > "$OUT/check.log" 2>&1
+    timeout $((LIMIT - SECONDS)) python3 bench/bench_flce.py --deadline $((LIMIT - 30 - SECONDS)) \
+      --out "$OUT/{card}_kernel3.json" ${KERNEL_ARGS:-} 2>&1 | tail -60 | tee "$OUT/kernel.log"
+    ;;
+  depth|speed|v1)
+    install_stack  # the plugin's wheel is built from a commit (.whl/PLUGIN_COMMIT, recorded on the depth rows)
+    keep_rows "$1"
+    work=/tmp/real_size
+    [ "$1" = v1 ] && work=/tmp/v1_bench
+    args=$([ "$1" = depth ] && echo "${DEPTH_ARGS:-sft}" || ([ "$1" = speed ] && echo "${SPEED_ARGS:-}" || echo "${V1_ARGS:-}"))
+    timeout $((LIMIT - SECONDS)) python3 "bench/$1.py" $args --out "$OUT/{card}_$1.json" --work $work \
+      --deadline $((LIMIT - 15 - SECONDS)) 2>&1 | tee "$OUT/$1.log"
+    failed_logs $work
+    ;;
+  multi)
+    install_stack
+    nproc=$(nvidia-smi -L | wc -l)
+    if [ "$nproc" -ge 2 ]; then
+      args="--parts repro,curves,heads --fsdp 1,2"
+    else  # FSDP1 does not shard at world size 1, and nothing crashes there: FSDP2 only
+      args="--parts curves,heads --fsdp 2 --head-steps 20"
+    fi
+    timeout $((LIMIT - SECONDS)) python3 bench/multi_gpu_fsdp.py --nproc "$nproc" $args \
+      --out "$OUT/{card}x${nproc}_fsdp.json" ${MULTI_ARGS:-} 2>&1 | tee "$OUT/multi.log"
+    ;;
+  *)
+    echo "usage: bash bench/run_gpu.sh kernel|depth|speed|v1|multi (see the comment at the top)" >&2
+    exit 2
+    ;;
+esac
+exit 0
