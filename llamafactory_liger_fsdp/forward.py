@@ -13,9 +13,8 @@ pending request, and the forward answers it with per-token log-probs (:meth:`.lo
 logits. With ``request_only`` (v1, whose callers read ``.logits`` whenever they pass labels) only such requests take
 the fused path.
 
-On the first training step with labels (SFT / pt) or the first log-probs request made in training with gradients
-(the policy's, in the preference stages and v1) the exactness guard (:mod:`.guard`) compares the fused loss with the
-original forward's on a slice.
+On the first training step with labels (SFT / pt) the guard (:mod:`.guard`) holds the model's own forward against this
+one on a slice; the trainer methods that ask for log-probs are held against LLaMA-Factory's own there too.
 In eval, or without labels, the original forward runs untouched (callers may want the logits); in
 training without labels that is said once (the Trainer pops them for ``label_smoothing_factor > 0``).
 """
@@ -26,7 +25,6 @@ import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -45,6 +43,7 @@ class Request:
     labels: torch.Tensor
     sums: bool = True
     step: int | None = None
+    shifted: bool = False  # labels already give each position's target (v1's sequence-parallel shards)
 
 
 class ForwardState:
@@ -63,6 +62,7 @@ class ForwardState:
         self.said_no_labels = False
         self.request: Request | None = None  # set by token_logps() for exactly one call
         self.request_only = request_only  # v1: training calls with labels but no request run the original forward
+        self.reference = False  # the guard's original side: every call runs the original forward
 
     @property
     def global_step(self) -> int:
@@ -95,104 +95,142 @@ def _pending(state: ForwardState, request: Request):
 
 
 def token_logps(model: nn.Module, causal_lm: nn.Module, inputs: dict, labels: torch.Tensor, *, sums: bool = True,
-                step: int | None = None):
+                step: int | None = None, shifted: bool = False):
     """The preference stages' and v1's call: ``model(**inputs)`` (the whole wrapped model, so FSDP / DeepSpeed run
     their root hooks) answered by the fused forward of ``causal_lm`` with per-token log-probs instead of logits.
     Returns (fp32 log-probs ``[B, T-1]``, fp32 per-position logit sums ``[B, T]`` or None without ``sums``,
-    vocabulary size). ``step`` is the trainer's optimizer step (the guard's messages)."""
+    vocabulary size). ``step`` is the trainer's optimizer step (the guard's messages). ``shifted``: ``labels`` are
+    each position's own target (log-probs ``[B, T]``, see :meth:`.losses.HeadLoss.token_logps`)."""
     state = state_of(causal_lm)
-    with _pending(state, Request(labels, sums, step)):
+    with _pending(state, Request(labels, sums, step, shifted)):
         out = model(**inputs, return_dict=True, use_cache=False)
     logps, sums = transport.unpack(out)
     return logps, sums, out.vocab_size
 
 
-def make_forward(causal_lm: nn.Module, seam: HeadLoss, state: ForwardState):
-    """The replacement for ``causal_lm.forward`` (signature kept: the Trainer inspects it)."""
-    original = causal_lm.forward
-    signature = inspect.signature(original)
-    var_kw = next((n for n, p in signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-    family = seam.family
-    decoder_attr = family.decoder or causal_lm.base_model_prefix
+class FusedForward:
+    """What replaces ``causal_lm.forward``: the request, SFT and original paths of one engaged causal LM."""
 
-    def first_step():
+    def __init__(self, causal_lm: nn.Module, seam: HeadLoss, state: ForwardState):
+        self.causal_lm, self.seam, self.state, self.family = causal_lm, seam, state, seam.family
+        self.original = causal_lm.forward
+        self.signature = inspect.signature(self.original)
+        self.var_kw = next((n for n, p in self.signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD),
+                           None)
+        self.decoder_attr = self.family.decoder or causal_lm.base_model_prefix
+
+    def split(self, args: tuple, kwargs: dict) -> tuple[dict, dict]:
+        """(the bound named parameters, the ``**kwargs`` ones)."""
+        params = dict(self.signature.bind_partial(*args, **kwargs).arguments)
+        return params, dict(params.pop(self.var_kw, {}) if self.var_kw else {})
+
+    def first_step(self):
         """Count a training forward; the first one logs the engaged line (and returns the memory report's wrapper)."""
-        state.steps += 1
-        return report.first_step(causal_lm, seam, state.config) if state.steps == 1 else None
+        self.state.steps += 1
+        return report.first_step(self.causal_lm, self.seam, self.state.config) if self.state.steps == 1 else None
 
-    def fused(params: dict, extra: dict, labels, window=None):
-        """Decoder, fused loss and the family's terms; ``window`` (rows, start, end) restricts the loss to those
-        positions of those rows (the guard's slice)."""
+    def decoder(self, params: dict, extra: dict):
+        return getattr(self.causal_lm, self.decoder_attr)(**params, **extra)
+
+    def fused(self, params: dict, extra: dict, labels, smoothing: float | None = None):
+        """Decoder, fused loss and the family's terms (the SFT / pt output)."""
         params, extra = dict(params), dict(extra)
-        with_aux = families.aux_on(family, causal_lm.config, params, extra)
-        outputs = getattr(causal_lm, decoder_attr)(**params, **extra)
-        hidden, shift_labels = outputs.last_hidden_state, extra.get("shift_labels")
-        if window is not None:
-            rows, start, end = window
-            hidden, labels = hidden[rows, start:end], labels[rows, start:end]
-            shift_labels = None if shift_labels is None else shift_labels[rows, start:end]
-        loss = seam.loss(
-            hidden, labels, shift_labels=shift_labels, num_items_in_batch=extra.get("num_items_in_batch"),
-            ignore_index=extra.get("ignore_index", -100), attention_mask=params.get("attention_mask"),
-            label_smoothing=state.label_smoothing if window is None else 0.0,  # the model's own loss never smooths
+        with_aux = families.aux_on(self.family, self.causal_lm.config, params, extra)
+        outputs = self.decoder(params, extra)
+        loss = self.seam.loss(
+            outputs.last_hidden_state, labels, shift_labels=extra.get("shift_labels"),
+            num_items_in_batch=extra.get("num_items_in_batch"), ignore_index=extra.get("ignore_index", -100),
+            attention_mask=params.get("attention_mask"),
+            label_smoothing=self.state.label_smoothing if smoothing is None else smoothing,
         )
-        return families.build_output(family, causal_lm, loss, outputs, params.get("attention_mask"), with_aux)
+        return families.build_output(self.family, self.causal_lm, loss, outputs, params.get("attention_mask"), with_aux)
 
-    def window_logps_loss(params: dict, extra: dict, labels, window):
-        """The guard's fused side for log-probs requests: the mean of ``-token_logps`` over the window (what the
-        model's own loss is on those positions), through the same per-row kernel call as the real request."""
-        rows, start, end = window
-        hidden = getattr(causal_lm, decoder_attr)(**params, **extra).last_hidden_state[rows, start:end]
-        labels = labels[rows, start:end]
-        logps, _ = seam.token_logps(hidden, labels, sums=False)
-        count = (labels[:, 1:] != -100).sum()  # the positions token_logps scores
-        return SimpleNamespace(loss=-logps.sum() / count)
-
-    def logps(params: dict, extra: dict, request: Request) -> transport.LogpsOutput:
-        """Per-token log-probs (and per-position logit sums when asked), any mode (the reference pass too)."""
+    def logps(self, params: dict, extra: dict, request: Request) -> transport.LogpsOutput:
+        """Per-token log-probs (and per-position logit sums when asked), any mode (the reference pass too); the
+        trainer's method that asked is held against LLaMA-Factory's own by the guard."""
         for key in ("labels", "logits_to_keep", "output_router_logits"):
             params.pop(key, None)
-        if state.steps == 0:
-            first_step()
-        if state.guard and causal_lm.training and torch.is_grad_enabled():  # the policy's first training request
-            from . import guard
+        if self.state.steps == 0:
+            self.first_step()
+        hidden = self.decoder(params, extra).last_hidden_state
+        token_logps, sums = self.seam.token_logps(hidden, request.labels, sums=request.sums, shifted=request.shifted)
+        return transport.pack(token_logps, sums, self.seam.vocab_size)
 
-            step = request.step if request.step is not None else state.global_step
-            state.guard = not guard.check(causal_lm, seam, original, signature, window_logps_loss, params, extra,
-                                          request.labels, step=step)
-        outputs = getattr(causal_lm, decoder_attr)(**params, **extra)
-        token_logps, sums = seam.token_logps(outputs.last_hidden_state, request.labels, sums=request.sums)
-        return transport.pack(token_logps, sums, seam.vocab_size)
+    def _guard(self, params: dict, extra: dict, labels) -> None:
+        """SFT / pt, first step with labels on some rank: the model's own ``forward(...).loss`` against the fused one."""
+        from . import guard
 
-    def loss(params: dict, extra: dict, labels):
+        extra = {k: v for k, v in extra.items() if k != "num_items_in_batch"}
+        batch = {**params, **extra, "labels": labels}
+
+        def ours(small: dict):
+            p, e = self.split((), small)
+            return self.fused(p, e, p.pop("labels"), smoothing=0.0).loss  # the model's own loss never smooths
+
+        check = guard.Check("the model's forward", lambda small: self.run_original(**small).loss, ours,
+                            lambda a, b: {"loss": (a, b)}, loss_line=True)
+        given = extra.get("shift_labels")
+        self.state.guard = False
+        self.state.guard = not guard.hold(check, self.causal_lm, self.family, batch,
+                                          labels if given is None else given, step=self.state.global_step,
+                                          shifted=given is not None, ignore_index=extra.get("ignore_index", -100))
+
+    def loss(self, params: dict, extra: dict, labels):
         """SFT / pt: the training loss (the guard on the first step with labels on some rank)."""
         params.pop("labels")
         logits_to_keep = params.pop("logits_to_keep", 0)
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise ValueError("liger_fsdp: `logits_to_keep` must be 0 when training with labels")
-        memory_report = first_step()
-        if state.guard:
-            from . import guard
+        memory_report = self.first_step()
+        if self.state.guard:
+            self._guard(params, extra, labels)
+        self.seam.report = memory_report  # the real step's kernel call, not the guard's
+        return self.fused(params, extra, labels)
 
-            state.guard = not guard.check(causal_lm, seam, original, signature, fused, params, extra, labels,
-                                          step=state.global_step)
-        seam.report = memory_report  # the real step's kernel call, not the guard's
-        return fused(params, extra, labels)
+    def run_original(self, *args: Any, **kwargs: Any):
+        """The class's own forward (Liger's ``lce_forward`` on its logits path)."""
+        if "skip_logits" in self.signature.parameters:
+            kwargs["skip_logits"] = False
+        return self.original(*args, **kwargs)
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any):
-        params = dict(signature.bind_partial(*args, **kwargs).arguments)
-        extra = dict(params.pop(var_kw, {}) if var_kw else {})
+    def __call__(self, *args: Any, **kwargs: Any):
+        state = self.state
+        if state.reference:  # the guard's original side
+            return self.run_original(*args, **kwargs)
+        params, extra = self.split(args, kwargs)
         if state.request is not None:  # token_logps() asked for this call
             request, state.request = state.request, None
-            return logps(params, extra, request)
+            return self.logps(params, extra, request)
         labels = params.get("labels")
-        if causal_lm.training and labels is not None and not state.request_only:
-            return loss(params, extra, labels)
-        if causal_lm.training and not state.said_no_labels:
+        if self.causal_lm.training and labels is not None and not state.request_only:
+            return self.loss(params, extra, labels)
+        if self.causal_lm.training and not state.said_no_labels:
             state.said_no_labels = True
             info_rank0(OUTSIDE_REQUEST if state.request_only else NO_LABELS)
-        return original(*args, **kwargs)
+        return self.original(*args, **kwargs)
+
+
+def make_forward(causal_lm: nn.Module, seam: HeadLoss, state: ForwardState):
+    """The replacement for ``causal_lm.forward`` (signature kept: the Trainer inspects it)."""
+    impl = FusedForward(causal_lm, seam, state)
+
+    @functools.wraps(impl.original)
+    def forward(*args: Any, **kwargs: Any):
+        return impl(*args, **kwargs)
 
     forward.liger_fsdp_state = state
     return forward
+
+
+@contextlib.contextmanager
+def original_forwards(*causal_lms: nn.Module):
+    """For its duration the engaged ``causal_lms`` run their own forward (the guard's original side)."""
+    states = {id(s): s for s in (state_of(m) for m in causal_lms) if s is not None}
+    before = {k: s.reference for k, s in states.items()}
+    for s in states.values():
+        s.reference = True
+    try:
+        yield
+    finally:
+        for k, s in states.items():
+            s.reference = before[k]

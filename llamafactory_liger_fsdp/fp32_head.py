@@ -77,3 +77,39 @@ def _linear_fp32(x, weight, bias=None):
         else:
             out = torch.nn.functional.linear(*to_fp32(x, weight))
         return out if bias is None else out + bias.float()
+
+
+class HeadCalls:
+    """For its duration every call of ``causal_lm``'s output embedding runs under :class:`Fp32Head`; counts the calls
+    and keeps the first call's input dtype (what the guard's bound depends on). Zero calls: the forward computed its
+    logits without calling the output embedding as a module, in its own precision."""
+
+    def __init__(self, causal_lm: torch.nn.Module):
+        self.head = causal_lm.get_output_embeddings()
+        self.calls, self.dtype, self._depth, self._mode, self._handles = 0, None, 0, None, []
+
+    def _enter(self, module, args):
+        self.calls += 1
+        if self.dtype is None and args and isinstance(args[0], torch.Tensor):
+            self.dtype = args[0].dtype
+        if self._depth == 0:
+            self._mode = Fp32Head()
+            self._mode.__enter__()
+        self._depth += 1
+
+    def _leave(self, *_):
+        if self._depth:
+            self._depth -= 1
+            if self._depth == 0:
+                self._mode.__exit__(None, None, None)
+
+    def __enter__(self) -> "HeadCalls":
+        self._handles = [self.head.register_forward_pre_hook(self._enter),
+                         self.head.register_forward_hook(self._leave, always_call=True)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        while self._depth:
+            self._leave()

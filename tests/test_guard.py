@@ -149,20 +149,25 @@ def test_once_and_the_real_step_keeps_its_rng(capsys):
 
 
 def test_slice_is_one_row_of_at_most_budget_positions(monkeypatch, capsys):
+    """Text only: both sides run the decoder on one row cut to at most BUDGET positions (the row with the most labels
+    there), so the guard's cost does not grow with the context."""
+    from llamafactory_liger_fsdp import guard_slice
+
     seen = []
-    original = guard._original_loss
+    original = guard_slice.cut
 
-    def spy(causal_lm, original_fwd, signature, params, extra, labels, rows, start, end):
-        seen.append((tuple(params["input_ids"].shape), rows, end - start))
-        return original(causal_lm, original_fwd, signature, params, extra, labels, rows, start, end)
+    def spy(batch, piece, b, t):
+        small = original(batch, piece, b, t)
+        seen.append((tuple(small["input_ids"].shape), tuple(small["labels"].shape), piece.rows))
+        return small
 
-    monkeypatch.setattr(guard, "_original_loss", spy)
+    monkeypatch.setattr(guard_slice, "cut", spy)
     _, cand = twin("llama", "mts")
     engage(cand, backend="torch")
     batch = make_batch(batch=3, seq=300)
     batch["labels"][0, -200:] = -100  # row 0 has fewer labels in the window than rows 1, 2
     cand(**batch)
-    assert seen == [((1, 300), slice(0, 1), guard.BUDGET)]  # text only: the decoder runs on the one row
+    assert seen == [((1, guard.BUDGET), (1, guard.BUDGET), [1])]
     assert EXACT in capsys.readouterr().err
 
 

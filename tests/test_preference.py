@@ -208,43 +208,83 @@ def test_fp32_results_survive_a_bf16_output_cast():
     assert torch.equal(x.grad, weights.to(torch.bfloat16).float())
 
 
-@pytest.mark.parametrize("stage", ["dpo", "kto"])
-def test_guard_checks_the_policys_first_training_request(tmp_path, stage, capsys, monkeypatch):
-    """The step-1 guard runs in the preference stages too: once, on the policy's first request with gradients (not
-    the reference pass, not KTO's no-grad KL pass), exact on an honest run, and it stops a 1% error in the per-token
-    log-probs with the key and the fix named."""
+def _run_stage(tmp_path, stage, seed, dtype=torch.float32):
+    """Two steps of a DPO / KTO stage through LLaMA-Factory's trainer with the flag on."""
     from llamafactory.train.dpo.trainer import CustomDPOTrainer
     from llamafactory.train.kto.trainer import CustomKTOTrainer
 
-    from llamafactory_liger_fsdp import losses
+    plain, fused = _twins("mts")
+    plain.train(), fused.train().to(dtype)
+    batch = _pairs(seed=seed)
+    if stage == "kto":
+        trainer = _trainer(CustomKTOTrainer, tmp_path, plain, stage="kto")
+        batch.update({f"kl_{k}": v for k, v in _pairs(seed=seed + 1).items()},
+                     kto_tags=torch.tensor([True, False, True, False]))
+    else:
+        trainer = _trainer(CustomDPOTrainer, tmp_path, plain, stage="dpo", pref_loss="sigmoid")
+    setattr(trainer.finetuning_args, config.ATTR, ON)
+    for _ in range(2):
+        trainer.get_batch_loss_metrics(fused, dict(batch))
+
+
+METHOD = {"dpo": "CustomDPOTrainer.concatenated_forward", "kto": "CustomKTOTrainer.forward"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stage", ["dpo", "kto"])
+def test_guard_holds_the_replaced_method_against_llamafactorys(tmp_path, stage, dtype, capsys, monkeypatch):
+    """Step 1 runs LLaMA-Factory's own method (the model's own forward, fp32 logits) and the replacement on a slice of
+    the batch: once, on the policy's first call with gradients (not the reference pass, not KTO's KL pass), exact on an
+    honest run; a 1% error in what ``forward.token_logps`` hands the trainer (after the units and fp32 limbs) stops
+    it with the method, the key and the fix named."""
+    from llamafactory_liger_fsdp import forward
     from llamafactory_liger_fsdp.config import LigerFsdpConfigError
     from support import names_key_and_fix
 
-    def run(seed):
-        plain, fused = _twins("mts")
-        plain.train(), fused.train()
-        batch = _pairs(seed=seed)
-        if stage == "kto":
-            trainer = _trainer(CustomKTOTrainer, tmp_path, plain, stage="kto")
-            batch.update({f"kl_{k}": v for k, v in _pairs(seed=seed + 1).items()},
-                         kto_tags=torch.tensor([True, False, True, False]))
-        else:
-            trainer = _trainer(CustomDPOTrainer, tmp_path, plain, stage="dpo", pref_loss="sigmoid")
-        setattr(trainer.finetuning_args, config.ATTR, ON)
-        for _ in range(2):
-            trainer.get_batch_loss_metrics(fused, dict(batch))
-
-    run(31)
+    _run_stage(tmp_path, stage, 31, dtype)
     lines = [l for l in capsys.readouterr().err.splitlines() if "guard:" in l]
-    assert len(lines) == 1 and "guard: step 1 exact: model's own loss" in lines[0], lines
-    honest = losses.HeadLoss.token_logps
+    assert len(lines) == 1 and f"guard: step 1 exact: LLaMA-Factory's {METHOD[stage]}" in lines[0], lines
+    honest = forward.token_logps
 
-    def off(self, *a, **k):
-        logps, sums = honest(self, *a, **k)
-        return logps * 1.01, sums
+    def off(*a, **k):
+        logps, sums, vocab = honest(*a, **k)
+        return logps * 1.01, sums, vocab
 
-    monkeypatch.setattr(losses.HeadLoss, "token_logps", off)
+    monkeypatch.setattr(forward, "token_logps", off)
     with pytest.raises(LigerFsdpConfigError) as exc:
-        run(41)
-    assert "model's own loss" in str(exc.value) and "fused loss" in str(exc.value)
-    names_key_and_fix(str(exc.value), "liger_fsdp_guard", "remove `liger_fsdp`")
+        _run_stage(tmp_path, stage, 41, dtype)
+    msg = str(exc.value)
+    assert f"replacement of LLaMA-Factory's {METHOD[stage]} does not give what LLaMA-Factory's own gives" in msg
+    names_key_and_fix(msg, "liger_fsdp_guard", "remove `liger_fsdp`")
+
+
+def test_a_changed_llamafactory_method_stops_the_run(tmp_path, monkeypatch):
+    """A release whose ``concatenated_forward`` averages differently (here: sigmoid log-probs halved) is not silently
+    replaced by the plugin's copy of 0.9.5's: step 1 stops naming the method and the LLaMA-Factory version."""
+    from importlib.metadata import version
+
+    from llamafactory.train.dpo import trainer as dpo
+
+    from llamafactory_liger_fsdp import _patch
+    from llamafactory_liger_fsdp.config import LigerFsdpConfigError
+    from llamafactory_liger_fsdp.integration import preference as integration
+
+    _patch.undo(dpo.CustomDPOTrainer, "concatenated_forward")
+    released = dpo.CustomDPOTrainer.concatenated_forward
+
+    def newer(self, model, batch, is_ref_model=False):
+        out = released(self, model, batch, is_ref_model)
+        return {**out, "chosen_logps": out["chosen_logps"] / 2, "rejected_logps": out["rejected_logps"] / 2}
+
+    monkeypatch.setattr(dpo.CustomDPOTrainer, "concatenated_forward", newer)
+    try:
+        integration.patch_dpo(dpo)
+        with pytest.raises(LigerFsdpConfigError) as exc:
+            _run_stage(tmp_path, "dpo", 7)
+    finally:
+        _patch.undo(dpo.CustomDPOTrainer, "concatenated_forward")
+    monkeypatch.undo()
+    integration.patch_dpo(dpo)  # as the module fixture left it
+    msg = str(exc.value)
+    assert "LLaMA-Factory's CustomDPOTrainer.concatenated_forward does not give what LLaMA-Factory's own gives" in msg
+    assert "chosen_logps" in msg and f"llamafactory {version('llamafactory')}" in msg

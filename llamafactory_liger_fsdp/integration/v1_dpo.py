@@ -8,7 +8,9 @@ before the model is built), recorded on the model and undone with it:
   LoRA as the reference under PEFT's ``disable_adapter()``; a separate reference model). Everything after the per-token
   log-probs is LLaMA-Factory's logic as of git main ``ff6d4d1`` (masks, LD-DPO, the three losses, ``pref_ftx``, the
   logged metrics): :func:`chosen_rejected` and :func:`compute_loss` below; ``logits/*`` (means of the full logits
-  over prompt and answer positions) come from the per-position logit sums divided by the vocabulary size.
+  over prompt and answer positions) come from the per-position logit sums divided by the vocabulary size. On the
+  policy's first training call LLaMA-Factory's own ``compute_loss`` is held against it (:mod:`..guard`): its loss and
+  logged log-probs and logits on a slice of the batch must agree, or the run stops.
 * ``_init_ref_model`` -- a full fine-tuning reference is ``copy.deepcopy`` of the policy, which copies the policy's
   instance ``forward`` by reference (functions are atomic to ``deepcopy``): the copy would run the *policy*. The
   copy's forward and engagement are dropped and it is engaged on its own (frozen head, request-only).
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .. import _patch, engage, forward
+from .. import _patch, engage, forward, guard
 from ..hooked import V1_DPO
 
 IGNORE_INDEX = -100
@@ -122,6 +124,42 @@ def engage_reference(ref: Any, config: Any) -> None:
     engage.engage(ref, config, any_head=True, request_only=True)
 
 
+#: The logged metrics held against LLaMA-Factory's (rewards are beta x differences of the compared log-probs).
+COMPARED = ("logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected")
+
+
+def _compare(theirs: tuple, ours: tuple) -> dict:
+    out = {"loss": (theirs[0], ours[0])}
+    for key in COMPARED:
+        if key not in theirs[1] or key not in ours[1]:
+            return {f"the logged metrics ({sorted(theirs[1])} against {sorted(ours[1])})":
+                    (torch.zeros(1), torch.full((1,), float("nan")))}
+        out[key] = (torch.tensor(theirs[1][key]), torch.tensor(ours[1][key]))
+    return out
+
+
+def _hold(trainer: Any, batch: dict, original, original_ref) -> None:
+    """The policy's first training call: LLaMA-Factory's ``compute_loss`` (with its own ``_compute_ref_logps``)
+    against :func:`compute_loss`, on a slice of the batch (:mod:`..guard`)."""
+    causal_lm = _causal_lm(trainer.model)
+    ref = getattr(trainer, "ref_model", None)
+    models = (causal_lm,) if ref is None else (causal_lm, _causal_lm(ref))
+
+    def theirs(b: dict):
+        trainer._compute_ref_logps = original_ref.__get__(trainer)
+        try:
+            return original(trainer, b), dict(trainer._step_metrics)
+        finally:
+            del trainer._compute_ref_logps
+
+    def ours(b: dict):
+        return compute_loss(trainer, b), dict(trainer._step_metrics)
+
+    check = guard.Check("LLaMA-Factory's DPOTrainer.compute_loss", theirs, ours, _compare, models=models)
+    guard.first_call(causal_lm, engage.engaged(causal_lm).family, check, batch, batch["labels"],
+                     step=getattr(trainer, "global_step", None))
+
+
 def patch(config: Any) -> list:
     """Patch v1's DPOTrainer (when its module is loaded); the undo callables."""
     import sys
@@ -138,9 +176,14 @@ def patch(config: Any) -> list:
     def fused(self) -> bool:
         return engage.engaged(_causal_lm(self.model)) is not None
 
+    original_ref = cls._compute_ref_logps
+
     def make_loss(original):
         def compute_loss_(self, batch):
-            return compute_loss(self, batch) if fused(self) else original(self, batch)
+            if not fused(self):
+                return original(self, batch)
+            _hold(self, batch, original, original_ref)
+            return compute_loss(self, batch)
 
         return compute_loss_
 

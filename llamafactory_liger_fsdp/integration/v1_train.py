@@ -4,7 +4,8 @@
 * ``llamafactory.v1.core.base_trainer.BaseTrainer.compute_log_probs`` -- every v1 trainer's ``logits.float()`` +
   ``cross_entropy(reduction="none")``, answered by :func:`...forward.token_logps` (the loss seam's per-row kernel,
   through the head's units). The inputs are the original method's own: it runs with a stand-in model that records
-  them (device moves, git main's mRoPE ``position_ids`` pop).
+  them (device moves, git main's mRoPE ``position_ids`` pop). On the first training call the original method, run on a
+  slice of the batch with the model's own forward, is held against the replacement (:mod:`...guard`).
 * ``llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2.fully_shard`` (FSDP2 only) -- before a module is
   sharded, its tagged head modules that are not units yet become units: a full/freeze head and a LoRA head's
   ``base_layer`` (v1 already makes every trainable leaf a unit under LoRA, a ``modules_to_save`` head included); a
@@ -44,16 +45,13 @@ def unwrapped(model: Any) -> Any:
 def patch_compute_log_probs() -> list:
     from llamafactory.v1.core import base_trainer
 
-    from .. import engage, forward
+    from .. import engage, forward, guard
 
     cls = base_trainer.BaseTrainer
     _patch.require_params(cls.compute_log_probs, ("self", "model", "batch"), "BaseTrainer.compute_log_probs")
 
     def make(original):
-        def compute_log_probs(self, model, batch):
-            inner = unwrapped(model)
-            if engage.engaged(inner) is None:
-                return original(self, model, batch)
+        def fused(self, model, inner, batch):
             recorder = _Recorder()
             try:
                 original(self, recorder, batch)
@@ -67,6 +65,18 @@ def patch_compute_log_probs() -> list:
             logps, _, _ = forward.token_logps(model, engage.causal_lm_of(inner), inputs, labels, sums=False,
                                               step=getattr(self, "global_step", None))
             return logps
+
+        def compute_log_probs(self, model, batch):
+            inner = unwrapped(model)
+            if engage.engaged(inner) is None:
+                return original(self, model, batch)
+            causal_lm = engage.causal_lm_of(inner)
+            check = guard.Check("LLaMA-Factory's BaseTrainer.compute_log_probs", lambda b: original(self, model, b),
+                                lambda b: fused(self, model, inner, b), lambda a, b: {"per-token log-probs": (a, b)},
+                                models=(causal_lm,))
+            guard.first_call(causal_lm, engage.engaged(inner).family, check, batch, batch["labels"],
+                             step=getattr(self, "global_step", None))
+            return fused(self, model, inner, batch)
 
         return compute_log_probs
 
