@@ -1,5 +1,5 @@
-"""Fused linear cross-entropy on one GPU: the plugin's two kernels against Liger (and torch, torch.compile, Cut
-Cross-Entropy on request), forward + backward.
+"""Fused linear cross-entropy on one GPU: the plugin's two kernels against Liger (and the unfused torch loss on
+request), forward + backward.
 
 Benchmark (default): at each shape and fraction of ignored labels (bf16), time (CUDA events, 3 warm-ups, median of
 10), peak memory beyond the inputs, and each implementation's loss / dX / dW error against an fp32 reference from the
@@ -39,18 +39,11 @@ SHAPES = [
     (8192, 4096, 128256), (16384, 4096, 128256), (16384, 3584, 152064),
     (32768, 4096, 128256), (8192, 8192, 128256), (8192, 3840, 262208),
 ]
-IMPLS = ["project", "project_fast", "liger", "cce", "torch", "torch_compile"]  # project: the lean `triton` backend
+IMPLS = ["project", "project_fast", "liger", "torch"]  # project: the lean `triton` backend
 T0 = time.time()
 
 
 # --------------------------------------------------------------------------- implementations
-def _torch_loss(h, w, y):
-    return torch.nn.functional.cross_entropy((h @ w.t()).float(), y, ignore_index=-100)
-
-
-_compiled = None
-
-
 def make_impl(name):
     if name in ("project", "project_fast"):
         from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
@@ -58,33 +51,24 @@ def make_impl(name):
         backend = "triton" if name == "project" else "triton_fast"
         return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend=backend)
     if name == "torch":
-        return _torch_loss
-    if name == "torch_compile":
-        global _compiled
-        if _compiled is None:
-            _compiled = torch.compile(_torch_loss, dynamic=False)
-        return _compiled
+        return lambda h, w, y: torch.nn.functional.cross_entropy((h @ w.t()).float(), y, ignore_index=-100)
     if name == "liger":
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
         mod = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
         return lambda h, w, y: mod(w, h, y)
-    if name == "cce":
-        from cut_cross_entropy import linear_cross_entropy
-
-        return lambda h, w, y: linear_cross_entropy(h, w, y, ignore_index=-100)
     raise ValueError(name)
 
 
 # --------------------------------------------------------------------------- helpers
 def gpu_meta() -> dict:
     """The run's ``_meta`` fields: card (torch's name of GPU 0), date, torch, python, and triton / liger_kernel /
-    cut_cross_entropy / transformers (None when absent)."""
+    transformers (None when absent)."""
     from importlib.metadata import PackageNotFoundError, version
 
     meta = {"card": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "python": platform.python_version()}
-    for dist in ("triton", "liger-kernel", "cut-cross-entropy", "transformers"):
+    for dist in ("triton", "liger-kernel", "transformers"):
         try:
             meta[dist.replace("-", "_")] = version(dist)
         except PackageNotFoundError:
@@ -172,8 +156,7 @@ def reference(hidden, weight, y, dtype=torch.float32, chunk=2048, softcap=None, 
 
 
 def run_once(fn, h, w, y):
-    h.grad = None
-    w.grad = None
+    h.grad = w.grad = None
     loss = fn(h, w, y)
     loss.backward()
     return loss
@@ -200,19 +183,15 @@ def bench_impl(name, shape, rate, reps, warmup, ref, ignore=0.25):
             run_once(fn, h, w, y)
         times = []
         for _ in range(reps):
-            h.grad = None
-            w.grad = None
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            loss = fn(h, w, y)
-            loss.backward()
+            run_once(fn, h, w, y)
             e.record()
             torch.cuda.synchronize()
             times.append(s.elapsed_time(e))
         row["ms"] = statistics.median(times)
         row["ms_min"] = min(times)
-        h.grad = None
-        w.grad = None
+        h.grad = w.grad = None
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
@@ -319,13 +298,9 @@ def _extra_checks(out_rows, out_path):
         row = {"check": "bad_label", "backend": backend, "message": msg[:200], "after": ok}
         out_rows.append(row)
         print("check", json.dumps(row), flush=True)
-    h = hidden.clone().requires_grad_()
-    w = weight.clone().requires_grad_()
-    for backend in ("triton", "triton_fast"):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    for backend in ("triton", "triton_fast"):  # the forward alone, with and without autograd: time and peak
         for mode in ("no_grad", "grad"):
-            def fn(backend=backend):
-                return fused_linear_cross_entropy(h, w, y, backend=backend)
-
             times = []
             for i in range(6):
                 torch.cuda.synchronize()
@@ -334,19 +309,15 @@ def _extra_checks(out_rows, out_path):
                 torch.cuda.reset_peak_memory_stats()
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
-                if mode == "no_grad":
-                    with torch.no_grad():
-                        loss = fn()
-                else:
-                    loss = fn()
+                with torch.set_grad_enabled(mode == "grad"):
+                    loss = fused_linear_cross_entropy(h, w, y, backend=backend)
                 e.record()
                 torch.cuda.synchronize()
-                if i:
-                    times.append(s.elapsed_time(e))
+                times += [s.elapsed_time(e)] if i else []
                 peak = (torch.cuda.max_memory_allocated() - base) / MIB
                 del loss
-            row = {"check": "forward_only", "backend": backend, "mode": mode, "N": y.numel(), "H": h.shape[1], "V": w.shape[0],
-                   "forward_ms": statistics.median(times), "forward_peak_mib": peak}
+            row = {"check": "forward_only", "backend": backend, "mode": mode, "N": y.numel(), "H": h.shape[1],
+                   "V": w.shape[0], "forward_ms": statistics.median(times), "forward_peak_mib": peak}
             out_rows.append(row)
             print("check", json.dumps(row), flush=True)
     dump_json(out_path, out_rows)

@@ -1,26 +1,12 @@
-"""What the bench scripts share; no script imports another script. Run a script as ``python bench/x.py`` from the
-repository root: Python puts the script's own folder first on the module path, so this module imports as ``common``
-(the package ``llamafactory_liger_fsdp`` is installed, or on PYTHONPATH as bench/run_gpu.sh sets it). Nothing here
-imports torch at import time, so a caller that must not hold a CUDA context (bench/depth.py) can use it.
-
-* paths: ``ROOT`` (the repository), ``MAKE_ASSETS`` (recipes/tiny_cpu/make_assets.py)
-* row fields: :func:`now` (UTC, seconds), :func:`versions` (package versions), :func:`commit` (this repository's),
-  :func:`card` (nvidia-smi's name, no torch), :func:`card_key` ("h100")
-* JSON: :func:`dump_json` (atomic), :func:`load_rows` / :func:`save_rows` / :func:`append_row` (``{"rows": [...]}``;
-  a bare list is read too); every GPU row carries its ``card``: a file's readers pick a card's rows by it
-* :func:`shim`: the package's CPU test-support directories (``llamafactory_liger_fsdp/testing/cpu_*_shim``)
-* LLaMA-Factory runs: ``MODELS`` (real-head shapes), ``VARIANTS`` (yaml keys per variant), :func:`build` (a model
-  with random weights + tiny data), :func:`run` (one torchrun launch of bench/lf_bench_launch.py -> its row),
-  :func:`log_line`, :func:`error_line`, ``ZERO3`` / :func:`ds_json` (the DeepSpeed json), :func:`preflight` (an
-  import a call needs, tried before its model is built), ``DEPTH_MODEL`` /
-  :func:`build_depth_model` (the 32-layer Llama-3-8B shape, built in a process of its own), :func:`filling_words`
-* the CPU memory twin: ``TWIN_ENV`` / ``TWIN_SIZES``, :func:`twin_spec`, :func:`twin_setup`, ``AllocationTimeline``,
-  :func:`twin_peaks` (in the launched run), :func:`twin_groups` / :func:`twin_lines` (its rows and table)
+"""What the bench scripts share (no script imports another): row fields (``now``, ``versions``, ``commit``, ``card``,
+``card_key``), row files (``load_rows``, ``append_row``, ``dump_json``), the package's CPU shims (``shim``), LLaMA-Factory
+runs (``MODELS``, ``VARIANTS``, ``build``, ``run`` -> one row, ``ds_json``, ``DEPTH_MODEL``) and the CPU memory twin
+(``twin_*``, ``AllocationTimeline``). A script runs as ``python bench/x.py`` from the repository root, so this module
+imports as ``common``; nothing here imports torch at import time (bench/depth.py's process holds no CUDA context).
 
     python bench/common.py build WORK NAME --layers 32 --max-position 131072 --rows 1400 --answer-words 300 500
 
-builds the model in a process of its own, so the caller's process never holds a CUDA context (half a GiB that the
-training runs beside it would not have).
+builds a model in a process of its own, so the caller never holds a CUDA context (half a GiB the runs would lack).
 """
 
 from __future__ import annotations
@@ -110,12 +96,8 @@ def load_rows(path: str) -> list:
     return data["rows"] if isinstance(data, dict) else data
 
 
-def save_rows(path: str, rows: list) -> None:
-    dump_json(path, {"rows": rows})
-
-
 def append_row(path: str, row: dict) -> None:
-    save_rows(path, load_rows(path) + [row])
+    dump_json(path, {"rows": load_rows(path) + [row]})
 
 
 def shim(name: str) -> str:
@@ -149,6 +131,15 @@ ZERO3 = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "
                                "stage3_param_persistence_threshold": "auto", "stage3_gather_16bit_weights_on_model_save": True}}
 
 
+def tiny_assets(mdir: str, *options) -> str:
+    """recipes/tiny_cpu/make_assets.py's tokenizer, data (and, without ``--no-model``, tiny model) in ``mdir``, made
+    once; returns ``mdir``."""
+    done = os.path.join(mdir, "data/dataset_info.json" if "--no-model" in options else "model/config.json")
+    if not os.path.exists(done):
+        subprocess.run([sys.executable, MAKE_ASSETS, mdir, *map(str, options)], check=True, capture_output=True)
+    return mdir
+
+
 def build(work, name, spec, layers, rows=400, answer_words=(300, 500), *, max_position=32768, seed=None,
           device="cuda"):
     """WORK/NAME: tokenizer + data from recipes/tiny_cpu/make_assets.py, the model of ``spec`` (a ``MODELS`` value or a
@@ -158,8 +149,7 @@ def build(work, name, spec, layers, rows=400, answer_words=(300, 500), *, max_po
     mdir = os.path.join(work, name)
     if os.path.exists(os.path.join(mdir, "model", "config.json")):
         return mdir
-    subprocess.run([sys.executable, MAKE_ASSETS, mdir, "--no-model", "--rows", str(rows), "--answer-words",
-                    *map(str, answer_words)], check=True)
+    tiny_assets(mdir, "--no-model", "--rows", rows, "--answer-words", *answer_words)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -259,14 +249,13 @@ def error_line(log):
 
 
 def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=16384, overrides=None, env=None, tag=None,
-        timeout=900, launch=True):
+        timeout=900):
     """One `llamafactory-cli train`-equivalent run (torchrun + bench/lf_bench_launch.py); returns its row.
 
     LoRA r16 ``all`` + embed_tokens,lm_head, FSDP ``fsdp_version`` over ``nproc`` ranks, bf16, packing to ``cutoff``
     tokens, ``VARIANTS[variant]``'s keys. ``overrides`` update the yaml (e.g. ``fsdp_config`` keys; a value of None
     removes the key), ``env`` the environment (a value of None removes a variable). A run still going after
-    ``timeout`` s is stopped (SIGTERM: torchrun ends its workers) and gives an error row. ``launch=False`` only
-    writes the yaml and returns {"yaml", "config"}."""
+    ``timeout`` s is stopped (SIGTERM: torchrun ends its workers) and gives an error row."""
     out = os.path.join(work, tag or f"{os.path.basename(mdir)}_{variant}")
     fsdp_config = {"version": fsdp_version, "transformer_layer_cls_to_wrap": spec["layer"]}
     if fsdp_version == 1:
@@ -293,17 +282,11 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
     path = out + ".yaml"
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
-    if not launch:
-        return {"yaml": path, "config": cfg}
     res_path = out + ".json"
     if os.path.exists(res_path):
         os.remove(res_path)
-    run_env = dict(os.environ, FSDP_STATE_DICT_TYPE="FULL_STATE_DICT", DISABLE_VERSION_CHECK="1")
-    for key, value in (env or {}).items():
-        if value is None:
-            run_env.pop(key, None)
-        else:
-            run_env[key] = value
+    run_env = dict(os.environ, FSDP_STATE_DICT_TYPE="FULL_STATE_DICT", DISABLE_VERSION_CHECK="1", **(env or {}))
+    run_env = {k: v for k, v in run_env.items() if v is not None}
     with socket.socket() as sock:  # a free rendezvous port: torchrun's default 29500 may be taken beside this run
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
@@ -345,7 +328,7 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
                tokens_per_step=per_step, step_s=statistics.median(times), tokens_per_s=per_step / statistics.median(times),
                tokens_per_s_per_gpu=per_step / statistics.median(times) / nproc,
                peak_gib=max(s["peak_mib"] for s in res["steps"]) / 1024, losses=res["losses"],
-               step_losses=res.get("step_losses"), profile=res.get("profile"), twin_live=res.get("live_at_peak"),
+               step_losses=res.get("step_losses"), twin_live=res.get("live_at_peak"),
                twin_live_setup=res.get("live_at_setup"),
                peak_gib_per_rank=[m / 1024 for m in res.get("peak_mib_per_rank", [])],
                **{f"{phase}_peak_gib": max(s.get(f"{phase}_peak_mib", 0) for s in steps) / 1024

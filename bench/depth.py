@@ -39,8 +39,8 @@ import sys
 import tempfile
 import time
 
-from common import (DEPTH_MODEL, MAKE_ASSETS, MODELS, ROOT, append_row, build_depth_model, card, card_key, ds_json,
-                    filling_words, load_rows, log_line, now, preflight, run, versions)
+from common import (DEPTH_MODEL, MODELS, ROOT, append_row, build_depth_model, card, card_key, ds_json, filling_words,
+                    load_rows, log_line, now, preflight, run, tiny_assets, versions)
 
 LADDER = (4096, 8192, 16384, 32768, 65536, 131072)  # the top is DEPTH_MODEL's max_position
 VARIANTS = {  # row variant -> (bench/common.py's VARIANTS key, extra yaml keys)
@@ -68,24 +68,6 @@ def short(cutoff):
 
 
 # ---------------------------------------------------------------------------------------------------------- assets
-
-
-def tiny(work: str) -> str:
-    mdir = os.path.join(work, "smoke")
-    if not os.path.exists(os.path.join(mdir, "model", "config.json")):
-        subprocess.run([sys.executable, MAKE_ASSETS, mdir, "--rows", "200", "--answer-words", "6", "24"], check=True,
-                       capture_output=True)
-    return mdir
-
-
-def pair_data(work: str, cutoff: int) -> str:
-    """Pairs whose answers fill ``cutoff`` a side (make_assets' tiny_pairs)."""
-    data = os.path.join(work, f"dpo_data_{cutoff}")
-    if not os.path.exists(os.path.join(data, "data", "dataset_info.json")):
-        words = filling_words(cutoff)
-        subprocess.run([sys.executable, MAKE_ASSETS, data, "--no-model", "--rows", "32", "--answer-words", str(words),
-                        str(words + 200)], check=True, capture_output=True)
-    return os.path.join(data, "data")
 
 
 def _vlm_rows(n: int, words: int, seed: int = 0) -> list[dict]:
@@ -167,9 +149,13 @@ def setup(args, cutoff: int) -> tuple[str, dict, dict]:
         return mdir, dict(MODELS["qwen2.5-7b"], layer="Qwen2_5_VLDecoderLayer"), dict(
             dataset="tiny_mm", dataset_dir=data, template="qwen2_vl", packing=False, image_max_pixels=side * side,
             image_min_pixels=side * side, preprocessing_num_workers=1)
-    mdir = tiny(args.work) if args.smoke else build_depth_model(args.work)
-    if args.part == "dpo":  # random weights: a small step
-        return mdir, MODELS["llama3-8b"], dict(stage="dpo", dataset="tiny_pairs", dataset_dir=pair_data(args.work, cutoff),
+    mdir = tiny_assets(os.path.join(args.work, "smoke"), "--rows", 200, "--answer-words", 6, 24) if args.smoke else \
+        build_depth_model(args.work)
+    if args.part == "dpo":  # pairs whose answers fill the cutoff a side; random weights: a small step
+        words = filling_words(cutoff)
+        data = tiny_assets(os.path.join(args.work, f"dpo_data_{cutoff}"), "--no-model", "--rows", 32, "--answer-words",
+                           words, words + 200)
+        return mdir, MODELS["llama3-8b"], dict(stage="dpo", dataset="tiny_pairs", dataset_dir=os.path.join(data, "data"),
                                                pref_beta=0.1, pref_loss="sigmoid", packing=False, learning_rate=1e-6)
     return mdir, MODELS["llama3-8b"], {"dataset": "tiny_alpaca",
                                        "tokenized_path": os.path.join(mdir, f"tokenized_sft_{cutoff}")}
@@ -213,7 +199,7 @@ def one_run(args, meta, variant, cutoff, nrun, timeout) -> dict | None:
                liger_line=log_line(log, "Liger kernel has been applied"),
                cast=log_line(log, "[liger_fsdp] DeepSpeed ZeRO-3: train"),
                log_tail=None if fits else (row.get("log_tail") or "").split("torch/distributed/elastic")[0][-1500:],
-               smoke=args.smoke, **meta, **({"profile": row["profile"]} if row.get("profile") else {}))
+               smoke=args.smoke, **meta)
     if args.part != "sft":
         out["part"] = args.part
     return out
@@ -281,9 +267,9 @@ def measure(args, out) -> None:
 # ---------------------------------------------------------------------------------------------------------- table
 
 
-def runs_of(rows, sharding, variant, cutoff, fits=None):
-    return [r for r in rows if (r["sharding"], r["variant"], r["cutoff"]) == (sharding, variant, cutoff)
-            and (fits is None or r["fits"] == fits)]
+def runs_of(rows, sharding, variant, cutoff=None, fits=None):
+    return [r for r in rows if (r["sharding"], r["variant"]) == (sharding, variant)
+            and cutoff in (None, r["cutoff"]) and fits in (None, r["fits"])]
 
 
 def median_of(rows, key, sharding, variant, cutoff):
@@ -292,8 +278,7 @@ def median_of(rows, key, sharding, variant, cutoff):
 
 
 def longest(rows, sharding, variant):
-    fit = [r["cutoff"] for r in rows if (r["sharding"], r["variant"]) == (sharding, variant) and r["fits"]]
-    return max(fit) if fit else None
+    return max((r["cutoff"] for r in runs_of(rows, sharding, variant, fits=True)), default=None)
 
 
 def card_name(row) -> str:
@@ -379,8 +364,7 @@ def plot(all_rows, out) -> None:
         fig, ax = plt.subplots(figsize=(8, 0.6 * len(searched) + 1.6))
         for i, v in enumerate(searched):
             lc = longest(rows, "fsdp2", v)
-            fails = [r["cutoff"] for r in rows if r["variant"] == v and r["sharding"] == "fsdp2" and not r["fits"]
-                     and (lc is None or r["cutoff"] > lc)]
+            fails = [r["cutoff"] for r in runs_of(rows, "fsdp2", v, fits=False) if lc is None or r["cutoff"] > lc]
             if fails:
                 ax.plot(math.log2(min(fails)), i, "rx", markersize=9)
             if lc:
@@ -400,15 +384,14 @@ def plot(all_rows, out) -> None:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
         for v in variants:
             for sharding, style in (("fsdp2", "-o"), ("zero3", "--s")):
-                cs = sorted({r["cutoff"] for r in runs_for(rows, sharding, v) if r["fits"]})
+                cs = sorted({r["cutoff"] for r in runs_of(rows, sharding, v, fits=True)})
                 label = v if sharding == "fsdp2" else f"{v} (ZeRO-3)"
                 if cs:
                     a1.plot(cs, [median_of(rows, "tokens_per_s", sharding, v, c) for c in cs], style, color=COLORS[v],
                             label=label)
                     a2.plot(cs, [median_of(rows, "peak_gib", sharding, v, c) for c in cs], style, color=COLORS[v])
-            for r in runs_for(rows, "fsdp2", v):
-                if not r["fits"]:
-                    a2.plot(r["cutoff"], capacity or 0, "x", color=COLORS[v], markersize=9)
+            for r in runs_of(rows, "fsdp2", v, fits=False):
+                a2.plot(r["cutoff"], capacity or 0, "x", color=COLORS[v], markersize=9)
         for ax in (a1, a2):
             ax.set_xscale("log", base=2)
             ax.set_xticks(ladder, [short(c) for c in ladder])
@@ -425,10 +408,6 @@ def plot(all_rows, out) -> None:
         fig.savefig(prefix + "_tokens.png", dpi=120)
         plt.close(fig)
         print(f"charts: {prefix}_longest.png {prefix}_tokens.png")
-
-
-def runs_for(rows, sharding, variant):
-    return [r for r in rows if (r["sharding"], r["variant"]) == (sharding, variant)]
 
 
 def main():

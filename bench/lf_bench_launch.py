@@ -11,8 +11,6 @@ is rounded to 4 digits; the returned one is fp32 on the CPU and already bf16 und
 mean over ranks of the summed micro-batch losses) and ``peak_mib_per_rank``. The final save_model is
 skipped (benchmark only: writing multi-GB embed/head copies says nothing about the loss).
 
-``LF_BENCH_PROFILE_STEP=N``: a torch.profiler table of step N (top ops by device self time) in result.json.
-
 ``LF_BENCH_LIGER_LOSS_ONLY=1`` (CPU smoke runs only): ``enable_liger_kernel`` then installs only
 Liger's fused loss -- its RMSNorm/RoPE/SwiGLU Triton kernels do not run under the CPU interpreter,
 and the failure being reproduced is in the fused loss alone.
@@ -55,23 +53,6 @@ PHASES: dict = {}  # forward / backward peaks of the current step (see main)
 FORWARD: list = []  # the open "## forward" mark of the current micro-batch
 
 
-def _profile_table(prof, step, top=30):
-    """``LF_BENCH_PROFILE_STEP=N``: where step N's time goes -- the ops with the most device (else CPU) self time, and
-    the step's device-time total, as rows of the result JSON."""
-    events = prof.key_averages()
-    dev = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    key = dev if torch.cuda.is_available() else "self_cpu_time_total"
-    rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:top]
-    cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
-    stalls = ("cudaMalloc", "cudaFree", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {"step": step, "kernel_ms": sum(e.device_time for e in kernels) / 1e3, "kernels": len(kernels),
-            "ops": [{"name": e.key[:120], "calls": e.count, "self_device_ms": getattr(e, dev, 0) / 1e3,
-                     "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in rows],
-            "cpu_top": [{"name": e.key[:120], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in cpu],
-            "stalls": {e.key: [e.count, e.self_cpu_time_total / 1e3] for e in events if e.key.startswith(stalls)}}
-
-
 class BenchCallback(TrainerCallback):
     def __init__(self, out, micro_losses):
         self.out, self.steps, self.losses, self.t0 = out, [], [], None
@@ -82,10 +63,6 @@ class BenchCallback(TrainerCallback):
         self.twin_prof = None  # LF_BENCH_TWIN: the run's allocation profile
 
     def on_step_begin(self, args, state, control, **kw):
-        if int(os.environ.get("LF_BENCH_PROFILE_STEP", "0") or 0) == state.global_step + 1:
-            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
-                [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []))
-            self.prof.__enter__()
         _sync()
         before = _peak_mib(reset=True)  # since the last step's optimizer step; at step 1: the set-up
         self.run_peak = max(self.run_peak, before)
@@ -116,10 +93,6 @@ class BenchCallback(TrainerCallback):
         self.steps.append({"s": elapsed, "peak_mib": self.run_peak, **self.phase,
                            "tokens_seen": int(getattr(state, "num_input_tokens_seen", 0) or 0)})
         self.step_losses.append(sum(self.micro_losses))
-        if getattr(self, "prof", None) is not None:
-            self.prof.__exit__(None, None, None)
-            self.profile = _profile_table(self.prof, state.global_step)
-            self.prof = None
 
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:
@@ -140,7 +113,7 @@ class BenchCallback(TrainerCallback):
         if int(os.environ.get("RANK", "0")) == 0:
             n = min(len(r["step_losses"]) for r in every)
             with open(self.out, "w") as f:
-                json.dump({"steps": self.steps, "losses": self.losses, "profile": getattr(self, "profile", None),
+                json.dump({"steps": self.steps, "losses": self.losses,
                            "live_at_peak": live, "live_at_setup": live_setup,
                            "step_losses": [sum(r["step_losses"][i] for r in every) / len(every) for i in range(n)],
                            "peak_mib_per_rank": [r["peak_mib"] for r in every]}, f)

@@ -15,7 +15,7 @@ get() {
     --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux_2_28_x86_64 "$@"
 }
-get liger-kernel==0.8.5 cut-cross-entropy==25.1.1 llamafactory==0.9.5 transformers==5.6.0 peft==0.18.1 \
+get liger-kernel==0.8.5 llamafactory==0.9.5 transformers==5.6.0 peft==0.18.1 \
   accelerate==1.11.0 trl==0.24.0 datasets==4.0.0 tokenizers==0.22.2 omegaconf==2.4.0 dill==0.3.8 \
   multiprocess==0.70.16 torchdata==0.11.0 hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 py-cpuinfo==9.0.0 einops==0.8.2 \
   pydantic==2.12.3 pydantic_core==2.41.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0

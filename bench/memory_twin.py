@@ -1,4 +1,4 @@
-"""The CPU memory twin of the H200's LLaMA-Factory runs (bench/common.py, "the CPU memory twin"): the peak a GPU run
+"""The CPU memory twin of a GPU's LLaMA-Factory runs (bench/common.py, "the CPU memory twin"): the peak a GPU run
 would reach, by phase, and what it is made of -- on this machine's CPU, no GPU.
 
     python bench/memory_twin.py [--scale 8] [--layers 2] [--cutoff 16384] [--steps 3] [--stage sft|dpo]
@@ -6,17 +6,16 @@ would reach, by phase, and what it is made of -- on this machine's CPU, no GPU.
 
 Each run is bench/common.py's ``run`` (the seed's adapter, packing, bf16, gradient checkpointing, FSDP2 at world size
 1) on the twin of the Llama-3-8B shape at ``--layers`` layers: hidden, intermediate, vocabulary, heads, tokens
-(``--cutoff / s``) and LoRA rank divided by ``s``, random weights; FSDP2 on one CPU rank through the test shim
-(accelerate alone would train DDP on a CPU), the Triton kernels interpreted. ``liger_fsdp_auto`` runs ``triton_fast``
+(``--cutoff / s``) and LoRA rank divided by ``s``, random weights; FSDP2 on one CPU rank through the package's CPU
+shim (accelerate alone would train DDP on a CPU), the Triton kernels interpreted. ``liger_fsdp_auto`` runs ``triton_fast``
 (what ``auto`` picks on CUDA); Liger's own kernels do not run under the interpreter, so its variants are not
 offered. ``--stage dpo``: pairs of ``--cutoff`` tokens a side, sigmoid, the reference = the adapter disabled (as
 bench/depth.py dpo).
 
-Rows (``twin``: s, ``card``: "cpu") carry the H200 keys as predictions -- ``peak_gib`` and the phase peaks are CPU
-bytes times s^2, ``peak_gib`` the steps' highest -- ``setup_peak_gib`` (before step 1: model load, wrapping,
+Rows (``twin``: s, ``card``: "cpu") carry the GPU rows' keys as predictions -- ``peak_gib`` and the phase peaks are
+CPU bytes times s^2, ``peak_gib`` the steps' highest -- ``setup_peak_gib`` (before step 1: model load, wrapping,
 optimizer creation), and ``live_at_peak`` / ``live_at_setup`` (the largest allocations live at the steps' peak / the
-set-up's, GiB each after scaling). The
-table prints the H200 row of the same setup beside each prediction where bench/results has one.
+set-up's, GiB each after scaling).
 """
 
 from __future__ import annotations
@@ -25,28 +24,11 @@ import argparse
 import os
 import tempfile
 
-from common import (MODELS, ROOT, TWIN_ENV, VARIANTS, append_row, build, commit, filling_words, load_rows, now,
+from common import (MODELS, ROOT, TWIN_ENV, VARIANTS, append_row, build, commit, filling_words, now,
                     run, shim, twin_groups, twin_lines, twin_spec, versions)
 
 OFFERED = ("plain", "liger_fsdp", "liger_fsdp_fast", "liger_fsdp_auto", "liger_fsdp_noguard")
-DEPTH_NAME = {"liger_fsdp_fast": "plugin"}  # bench/depth.py's and speed.py's name of a variant (the others the same)
-# H200 rows measured in the same setup (file, how to pick the row), for the table
-MEASURED = {("sft", 2): ("h200_speed.json", lambda r, v, c: r.get("variant") == DEPTH_NAME.get(v, v)
-                         and r.get("cutoff_len") == c and r.get("scenario") == "fsdp2_sft" and not r.get("rc")),
-            ("sft", 32): ("h200_depth.json", lambda r, v, c: r.get("variant") == DEPTH_NAME.get(v, v)
-                          and r.get("cutoff") == c and r.get("sharding") == "fsdp2" and "part" not in r),
-            ("dpo", 32): ("h200_depth.json", lambda r, v, c: r.get("part") == "dpo" and r.get("cutoff") == c
-                          and r.get("variant") == DEPTH_NAME.get(v, v))}
 DPO = dict(stage="dpo", dataset="tiny_pairs", pref_beta=0.1, pref_loss="sigmoid", packing=False, learning_rate=1e-6)
-
-
-def measured(stage: str, layers: int, variant: str, cutoff: int) -> float | None:
-    """The H200's peak (GiB) of the same setup, if a row of bench/results has it (first run)."""
-    key = MEASURED.get((stage, layers))
-    if key is None:
-        return None
-    rows = [r for r in load_rows(os.path.join(ROOT, "bench", "results", key[0])) if key[1](r, variant, cutoff)]
-    return rows[0].get("peak_gib") if rows else None
 
 
 def twin_run(mdir: str, spec: dict, variant: str, args) -> dict:
@@ -70,7 +52,7 @@ def twin_run(mdir: str, spec: dict, variant: str, args) -> dict:
         row[key] = row.get(key, 0.0) * s**2
     row["live_at_peak"] = twin_groups(row.pop("twin_live", None), s)
     row["live_at_setup"] = twin_groups(row.pop("twin_live_setup", None), s)
-    for key in ("tokens_per_s", "tokens_per_s_per_gpu", "step_s", "step_times", "profile"):
+    for key in ("tokens_per_s", "tokens_per_s_per_gpu", "step_s", "step_times"):
         row.pop(key, None)  # CPU times say nothing about a GPU
     return row
 
@@ -96,16 +78,14 @@ def main() -> None:
     words = filling_words(args.cutoff // args.scale)  # an answer fills a sample (a DPO side; SFT packs them anyway)
     mdir = build(args.work, f"llama3-8b-L{args.layers}-twin{args.scale}-{args.cutoff}", spec, args.layers, rows=64,
                  answer_words=(words, words + 50), max_position=max(32768, 2 * args.cutoff), seed=0, device="cpu")
-    print(f"{'variant':18} {'predicted GiB':>13} {'H200 GiB':>9} {'set-up':>8} {'forward':>8} {'backward':>8} {'optimizer':>9}")
+    print(f"{'variant':18} {'predicted GiB':>13} {'set-up':>8} {'forward':>8} {'backward':>8} {'optimizer':>9}")
     for variant in variants:
         row = twin_run(mdir, spec, variant, args)
         append_row(args.out, row)
         if "error" in row:
             print(f"{variant:18} error: {row['error']}")
             continue
-        h200 = measured(args.stage, args.layers, variant, args.cutoff)
-        print(f"{variant:18} {row['peak_gib']:>13.2f} {h200 if h200 is not None else '-':>9} "
-              f"{row['setup_peak_gib']:>8.2f} {row['forward_peak_gib']:>8.2f} {row['backward_peak_gib']:>8.2f} {row['optimizer_peak_gib']:>9.2f}")
+        print(f"{variant:18} {row['peak_gib']:>13.2f} {row['setup_peak_gib']:>8.2f} {row['forward_peak_gib']:>8.2f} {row['backward_peak_gib']:>8.2f} {row['optimizer_peak_gib']:>9.2f}")
         print("\n".join(twin_lines(row["live_at_peak"], top=8)))
         if row["setup_peak_gib"] > row["peak_gib"]:  # the run's peak is the set-up's: say what it is made of
             print("    at the set-up's peak:\n" + "\n".join(twin_lines(row["live_at_setup"], top=8)))

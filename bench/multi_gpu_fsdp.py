@@ -32,10 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 
-from common import MAKE_ASSETS, MODELS, ROOT, build, card, card_key, run, shim
+from common import MODELS, ROOT, build, card, card_key, run, shim, tiny_assets
 
 # Qwen2.5-7B's shape (untied head, vocab 152064) is the "Qwen2.5-shaped model" of the seed report
 REPRO_MODEL = "qwen2.5-7b"
@@ -45,21 +43,7 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 def cpu_assets(work):
     """A tiny local Qwen2 (recipes/tiny_cpu/make_assets.py), and its spec. Qwen2, not Llama: Liger
     0.8.5 redirects its fused loss through FSDP1 for Llama's head (not for Qwen2's, nor under FSDP2)."""
-    mdir = os.path.join(work, "tiny-qwen2")
-    if not os.path.exists(os.path.join(mdir, "model", "config.json")):
-        subprocess.run([sys.executable, MAKE_ASSETS, mdir, "--model-type", "qwen2"], check=True)
-    return mdir, {"layer": "Qwen2DecoderLayer"}
-
-
-def error_line(row):
-    """The line of the log that names the failure (the seed's message is a RuntimeError)."""
-    with open(row["log"]) as f:
-        tail = f.read()
-    for needle in ("size mismatch", "mixed torch.Tensor and DTensor", "is a view and its base", "RuntimeError", "Error"):
-        hits = [l.strip() for l in tail.splitlines() if needle in l]
-        if hits:
-            return hits[-1][:400]
-    return row.get("error")
+    return tiny_assets(os.path.join(work, "tiny-qwen2"), "--model-type", "qwen2"), {"layer": "Qwen2DecoderLayer"}
 
 
 def max_rel(a, b):
@@ -117,7 +101,7 @@ def main():
                   overrides={**common, **(overrides or {})}, env=env, tag=tag)
         row.update(part=part, label=label or variant, card=gpu)
         if row["rc"]:
-            row["error_line"] = error_line(row)
+            row["error_line"] = row.get("error")  # common.error_line: the worker's exception line
         row.pop("log_tail", None)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "step_losses")}), flush=True)

@@ -35,7 +35,7 @@ failed_logs() {  # the log tails of runs that left no result JSON
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 case "${1:-}" in
   kernel)
-    install .whl/liger_kernel-*.whl .whl/cut_cross_entropy-*.whl
+    install .whl/liger_kernel-*.whl
     export PYTHONPATH=/tmp/site:$PWD
     timeout $((LIMIT * 3 / 10)) python3 bench/bench_flce.py --check --out "$OUT/{card}_kernel3_check.json" > "$OUT/check.log" 2>&1
     timeout $((LIMIT - SECONDS)) python3 bench/bench_flce.py --deadline $((LIMIT - 30 - SECONDS)) \

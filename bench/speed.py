@@ -12,7 +12,7 @@ reference, one pair (KTO: one example + its KL completion) a step whose answers 
 Variants: plain, liger (enable_liger_kernel), plugin (liger_fsdp: true), plugin+liger (both).
 
     python bench/speed.py [--scenarios fsdp2_sft,dpo_8k:1] [--variants plain,plugin] [--runs 2] [--steps 5]
-                          [--out bench/results/{card}_speed.json] [--deadline 540] [--dry-run | --smoke]
+                          [--out bench/results/{card}_speed.json] [--deadline 540] [--smoke]
     python bench/speed.py --table [--plot] [--out bench/results/h200_speed.json]   # medians and ratios, charts
 
 ``name:k`` gives one scenario k runs instead of --runs, ``name:k:a/b`` also its variants. Run r plays the variants in order on even r and reversed on odd r; run numbers continue those already in --out for
@@ -26,16 +26,13 @@ tokens/s and peak of each variant and its ratio to plain (and Liger), and two ch
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
-from common import (MAKE_ASSETS, MODELS, ROOT, build, card, card_key, ds_json, dump_json, load_rows, log_line, now,
-                    run, versions)
+from common import (MODELS, ROOT, build, card, card_key, ds_json, dump_json, load_rows, log_line, now, run,
+                    tiny_assets, versions)
 
 SPEC = MODELS["llama3-8b"]
 KEYS = {"plain": "plain", "liger": "liger", "plugin": "liger_fsdp_auto", "plugin+liger": "liger+liger_fsdp",
@@ -75,33 +72,12 @@ def asset_dir(work, key, smoke):
 
 
 def assets(work, key, smoke):
-    """The model + data directory of one asset set; the preference sets link the SFT set's weights (same config, and
-    the tokenizers built here give the special tokens the same ids)."""
+    """The model + data directory of one asset set (the same random weights in every set: seed 0)."""
     mdir = asset_dir(work, key, smoke)
-    if os.path.exists(os.path.join(mdir, "model", "config.json")):
-        return mdir
     _, words, rows = (SMOKE_ASSETS if smoke else ASSETS)[key]
-    cmd = [sys.executable, MAKE_ASSETS, mdir, "--rows", str(rows), "--answer-words", *map(str, words)]
-    if smoke:
-        subprocess.run(cmd, check=True)
-        return mdir
-    if key == "sft":
-        return build(work, "llama3-8b", SPEC, 2, rows=rows, answer_words=words)
-    base = os.path.join(assets(work, "sft", smoke), "model")
-    subprocess.run(cmd + ["--no-model"], check=True)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(os.path.join(mdir, "model"))
-    config = json.load(open(os.path.join(base, "config.json")))
-    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    if any(config.get(k) != v for k, v in ids.items()):
-        raise SystemExit(f"{mdir}: tokenizer ids {ids} differ from {base}/config.json")
-    for name in sorted(os.listdir(base), key=lambda n: n == "config.json"):  # config.json last: marks the set complete
-        dst = os.path.join(mdir, "model", name)
-        if name.endswith((".safetensors", ".safetensors.index.json")) or name in ("config.json", "generation_config.json"):
-            os.remove(dst) if os.path.lexists(dst) else None  # a set left half-linked by a stopped call
-            os.symlink(os.path.join(base, name), dst)
-    return mdir
+    if not smoke:
+        return build(work, os.path.basename(mdir), SPEC, 2, rows=rows, answer_words=words, seed=0)
+    return tiny_assets(mdir, "--rows", rows, "--answer-words", *words)
 
 
 def run_args(work, name, variant, mdir, smoke):
@@ -133,7 +109,6 @@ def main():
     ap.add_argument("--out", default=None, help="default bench/results/{card}_speed.json (--smoke: a temp file)")
     ap.add_argument("--work", default=None, help="default /tmp/real_size (--smoke: /tmp/speed_smoke)")
     ap.add_argument("--deadline", type=float, default=None, help="seconds from the start; no run starts past it")
-    ap.add_argument("--dry-run", action="store_true", help="write and print each run's yaml, run nothing")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check on the tiny local model")
     ap.add_argument("--table", action="store_true", help="print the medians of --out's rows; run nothing")
     ap.add_argument("--plot", action="store_true", help="with --table: draw the two charts beside --out")
@@ -168,13 +143,6 @@ def main():
         r0 = 1 + max((r["run"] for r in existing if r["scenario"] == name and bool(r.get("smoke")) == smoke), default=-1)
         for r in range(r0, r0 + runs[name]):
             for variant in variants if r % 2 == 0 else variants[::-1]:
-                if args.dry_run:
-                    mdir = asset_dir(work, SCENARIOS[name]["assets"], smoke)
-                    cutoff, cfg, env, _ = run_args(work, name, variant, mdir, smoke)
-                    res = run(mdir, SPEC, KEYS[variant], steps, work, cutoff=cutoff, overrides=cfg,
-                              tag=f"{name}_{variant}_r{r}", launch=False)
-                    print(f"### {name} {variant} run {r}  env={env}\n{open(res['yaml']).read()}")
-                    continue
                 mdir = assets(work, SCENARIOS[name]["assets"], smoke)
                 elapsed = time.monotonic() - t0
                 if args.deadline and elapsed + max(walls, default=45) > args.deadline:
@@ -201,8 +169,6 @@ def main():
                 dump_json(out, load_rows(out) + [row])  # a bare list, as the file has always been
                 print(f"[speed] {name} {variant} r{r}: rc {row['rc']}, {row.get('tokens_per_s') or 0:.0f} tokens/s, "
                       f"{row.get('peak_gib') or 0:.2f} GiB, {walls[-1]:.0f} s {row.get('error') or ''}", flush=True)
-    if args.dry_run:
-        return
     print(f"\n{len(done)} row(s) appended to {out} ({time.monotonic() - t0:.0f} s); {gpu}; "
           + " ".join(f"{k} {v}" for k, v in vers.items()))
     if skipped:

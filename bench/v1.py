@@ -29,12 +29,12 @@ import os
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
-from common import (MAKE_ASSETS, MODELS, ROOT, TWIN_ENV, append_row, build, card, card_key, commit, error_line,
-                    filling_words, log_line, now, shim, twin_groups, twin_lines, twin_spec, versions)
+from common import (MODELS, ROOT, TWIN_ENV, append_row, build, card, card_key, commit, error_line,
+                    filling_words, log_line, now, shim, tiny_assets, twin_groups, twin_lines, twin_spec,
+                    versions)
 
 HEAD_ONLY = ["lm_head"]
 SEED = ["lm_head", "embed_tokens"]
@@ -50,9 +50,7 @@ def assets(work: str, smoke: bool, cutoff: int, twin: int = 0) -> tuple[str, str
     """(model dir, v1 dataset yaml): the real-head model with long answers (or its twin, built on the CPU), or the
     tiny CPU assets."""
     if smoke:
-        mdir = os.path.join(work, "tiny")
-        if not os.path.exists(os.path.join(mdir, "model", "config.json")):
-            subprocess.run([sys.executable, MAKE_ASSETS, mdir], check=True, capture_output=True)
+        mdir = tiny_assets(os.path.join(work, "tiny"))
     elif twin:
         words = filling_words(cutoff // twin)
         mdir = build(work, f"llama3-8b-2l-{cutoff}-twin{twin}", twin_spec(MODELS["llama3-8b"], twin), 2, rows=24,
