@@ -228,8 +228,8 @@ def measure(args, out) -> None:
         if args.deadline and elapsed > args.deadline:
             skipped.append(f"{variant}:{short(cutoff)}")
             return None
-        same = [r["run"] for r in mine(load_rows(out), args.part, args.smoke)
-                if (r["sharding"], r["variant"], r["cutoff"]) == (args.sharding, variant, cutoff)]
+        same = [r["run"] for r in load_rows(out) if (r.get("part", "sft"), bool(r.get("smoke")), r["sharding"],
+                r["variant"], r["cutoff"]) == (args.part, args.smoke, args.sharding, variant, cutoff)]  # superseded too
         print(f"[depth] {args.part} {args.sharding} {variant} {short(cutoff)} x{args.steps} ({elapsed:.0f} s in)",
               flush=True)
         row = one_run(args, meta, variant, cutoff, 1 + max(same, default=0),
