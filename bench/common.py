@@ -348,7 +348,8 @@ TWIN_SIZES = (  # (module, constant, power of s it is divided by)
     ("ops.triton_common", "FAST_CHUNK_ROWS", 1), ("ops.triton_common", "FAST_CHUNK_MAX_BYTES", 2),
     ("ops.triton_common", "MAX_SLAB", 1), ("ops.triton_lean", "DEFAULT_MEM_BUDGET", 2),
     ("ops.triton_lean", "MIN_TILE", 1), ("ops.triton_lean", "MAX_ROWS", 1), ("ops.triton_lean", "TILE_CHARGE", 2),
-    ("ops.triton_rows", "FAST_STORE_MAX_BYTES", 2), ("losses", "ROW_CHUNK_BYTES", 2), ("guard", "BUDGET", 1))
+    ("ops.triton_rows", "FAST_STORE_MAX_BYTES", 2), ("losses", "ROW_CHUNK_BYTES", 2), ("guard_slice", "BUDGET", 1),
+    ("guard_slice", "LOGITS_BUDGET", 2))
 
 
 def twin_spec(spec: dict, s: int) -> dict:
