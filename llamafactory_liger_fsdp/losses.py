@@ -123,15 +123,16 @@ class HeadLoss:
         return loss / num_items_in_batch
 
     def token_logps(self, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
-                    sums: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    sums: bool = True, shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """For ``hidden [B, T, H]`` and unshifted ``labels [B, T]``: (``logps [B, T-1]``: log p of ``labels[:, 1:]``,
         0 where ignored, fp32; ``logit_sums [B, T]``: each position's sum of its logits over the vocabulary, fp32,
         no gradient -- LLaMA-Factory's ``logits/*`` metrics -- from the same gathered weight, or None when ``sums`` is
         false). The head strategy follows PEFT's ``disable_adapter()`` at call time (the reference pass reads the base
-        head)."""
+        head). With ``shifted``, ``labels [B, T]`` are already each position's target and the log-probs are ``[B, T]``
+        (a sequence-parallel shard, whose last position predicts the next shard's first label)."""
         b, t, _ = hidden.shape
         h = hidden.reshape(-1, hidden.shape[-1])
-        y = shifted_labels(labels, ignore_index).reshape(-1).to(h.device)
+        y = (labels if shifted else shifted_labels(labels, ignore_index)).reshape(-1).to(h.device)
         per_row = self._kernel(h.device, ignore_index=ignore_index, reduction="none")
         softcap = self.softcap
 
@@ -144,4 +145,5 @@ class HeadLoss:
 
         out = self.head.live(self.causal_lm).run(self.causal_lm, h, y, self._scaled(kernel))
         ce, logit_sums = out if sums else (out, None)
-        return -ce.view(b, t)[:, :-1], None if logit_sums is None else logit_sums.view(b, t)
+        logps = -ce.view(b, t)
+        return logps if shifted else logps[:, :-1], None if logit_sums is None else logit_sums.view(b, t)
