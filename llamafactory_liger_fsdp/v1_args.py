@@ -83,7 +83,9 @@ def top_level_keys(raw: Mapping) -> None:
 def values_of(model_args: Any, training_args: Any) -> dict:
     """The parsed arguments as the raw yaml's keys (what :func:`check` and :func:`decide_sharding` read)."""
     return {KEY: getattr(model_args, KEY, None), "model_class": str(getattr(model_args, "model_class", "llm") or "llm"),
-            "dist_config": getattr(training_args, "dist_config", None), "cp_size": getattr(training_args, "cp_size", 1)}
+            "dist_config": getattr(training_args, "dist_config", None), "cp_size": getattr(training_args, "cp_size", 1),
+            "cp_mode": getattr(training_args, "cp_mode", None),  # git main; 0.9.5 keeps both in dist_config
+            "micro_batch_size": getattr(training_args, "micro_batch_size", None)}
 
 
 def cp_size(values: Mapping) -> int:
@@ -129,11 +131,10 @@ def check(command: str | None, values: Mapping, cfg: config.LigerFsdpConfig | No
             f"(`rm`, model_class cls) replaces lm_head by a one-logit score head, so there is nothing to fuse. Fix: "
             f"{FIX_REMOVE} for reward modelling.")
     size = cp_size(values)
-    if size > 1:
-        raise LigerFsdpConfigError(
-            f"`cp_size: {size}` (Ulysses sequence parallelism) with `{KEY}.name: {NAME}`: each rank holds a slice of "
-            f"every sequence and v1's loss shifts the labels across slices, which the plugin's per-rank log-probs do "
-            f"not reproduce yet. Fix: `cp_size: 1`, {FIX_REMOVE}.")
+    if size > 1:  # v1 sequence parallelism: what the plugin makes exact (v1_cp_args)
+        from . import v1_cp_args
+
+        v1_cp_args.check(command, values, size)
     dist = plugin_config(values.get("dist_config")).get("name")
     if dist not in (None, "fsdp2", "deepspeed"):
         raise LigerFsdpConfigError(

@@ -42,7 +42,8 @@ def test_hook_imports_nothing_at_start():
 
 
 @pytest.mark.parametrize("yaml, expected", [
-    ("kernel_config: {name: liger_fsdp}\ndist_config: {name: fsdp2, cp_size: 2}\n", "`cp_size: 2`")])
+    ("kernel_config: {name: liger_fsdp}\ndist_config: {name: fsdp2, cp_size: 2, cp_mode: ring}\n",
+     "`dist_config.cp_mode: ring`")])
 def test_v1_engine_refusals_before_any_rank(tmp_path, yaml, expected):
     """USE_V1=1: what the yaml alone decides is refused in the launching process, once, last, with the fix (one yaml
     end to end; every refusal of the same precheck, in process: test_v1.py::test_v1_launcher_precheck_refuses)."""

@@ -221,7 +221,7 @@ def test_kernel_config_keys():
     ("rm", {}, "reward-model trainer"),
     (None, {"model_class": "cls"}, "reward-model trainer"),
     (None, {"cp_size": 2}, "`cp_size: 2`"),
-    (None, {"dist_config": {"name": "fsdp2", "cp_size": 4}}, "`cp_size: 4`"),
+    (None, {"dist_config": {"name": "fsdp2", "cp_size": 4, "cp_mode": "ring"}}, "`dist_config.cp_mode: ring`"),
     (None, {"dist_config": {"name": "fsdpturbo"}}, "`dist_config.name: fsdpturbo`"),
 ])
 def test_refusals(command, values, match):
@@ -232,7 +232,8 @@ def test_refusals(command, values, match):
 
 @pytest.mark.parametrize("yaml, expected", [
     ("liger_fsdp: true\n", "`liger_fsdp`: on LLaMA-Factory's v1 engine"),
-    ("kernel_config: {name: liger_fsdp}\ndist_config: {name: fsdp2, cp_size: 2}\n", "`cp_size: 2`"),
+    ("kernel_config: {name: liger_fsdp}\ndist_config: {name: fsdp2, cp_size: 2, cp_mode: ring}\n",
+     "`dist_config.cp_mode: ring`"),
     ("kernel_config: {name: liger_fsdp, liger_fsdp_gaurd: false}\n", "Unknown key(s) `liger_fsdp_gaurd`"),
 ])
 def test_v1_launcher_precheck_refuses(tmp_path, yaml, expected):
@@ -294,5 +295,6 @@ def test_doctor_reads_a_v1_yaml(assets, monkeypatch, capsys):
     for line in (f"`{v1_args.NAME}` registered", "liger_fsdp: on", "sharding: FSDP2", "model type llama",
                  "will engage: head=modules_to_save"):
         assert line in out, out
-    assert doctor.main(["doctor", recipe, f"model={assets / 'model'}", "cp_size=2"]) == 1
-    assert "error: `cp_size: 2`" in capsys.readouterr().out
+    assert doctor.main(["doctor", recipe, f"model={assets / 'model'}", "dist_config.cp_size=2",
+                        "dist_config.cp_mode=ring"]) == 1
+    assert "error: `dist_config.cp_mode: ring`" in capsys.readouterr().out

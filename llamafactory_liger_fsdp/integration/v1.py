@@ -165,6 +165,9 @@ def engage_v1(model: Any, kernel_config: Any = None):
 
     engage.record(model, v1_train.patch_compute_log_probs())
     engage.record(model, v1_dpo.patch(cfg))  # a DPO run (its trainer module is loaded) only
+    from . import v1_cp  # Ulysses sequence parallelism (cp_size > 1) only
+
+    engage.record(model, v1_cp.patch(model))
     if getattr(cfg.sharding, "kind", None) == sharding.FSDP2:
         engage.record(model, v1_train.patch_fully_shard())
     if getattr(cfg.sharding, "kind", None) == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:

@@ -45,8 +45,9 @@ def v1_pairs(assets: Path, out: Path) -> Path:
     return data
 
 
-def run_v1(cfg: dict, nproc: int = 2, command: str = "sft", timeout: int = 600) -> tuple[int, str]:
-    """(returncode, log) of ``USE_V1=1 llamafactory-cli <command> cfg.yaml`` on ``nproc`` CPU ranks."""
+def run_v1(cfg: dict, nproc: int = 2, command: str = "sft", timeout: int = 600, shims: tuple = ()) -> tuple[int, str]:
+    """(returncode, log) of ``USE_V1=1 llamafactory-cli <command> cfg.yaml`` on ``nproc`` CPU ranks; ``shims``:
+    directories put before the v1 shim on PYTHONPATH (each one's sitecustomize hands on to the next)."""
     import yaml
 
     out = Path(cfg["output_dir"])
@@ -56,7 +57,7 @@ def run_v1(cfg: dict, nproc: int = 2, command: str = "sft", timeout: int = 600) 
     bindir = str(Path(sys.executable).parent)
     env = dict(os.environ, USE_V1="1", FORCE_TORCHRUN="1", NPROC_PER_NODE=str(nproc), CUDA_VISIBLE_DEVICES="",
                OMP_NUM_THREADS="1", PATH=bindir + os.pathsep + os.environ.get("PATH", ""),
-               PYTHONPATH=str(SHIM) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=os.pathsep.join([*map(str, shims), str(SHIM), os.environ.get("PYTHONPATH", "")]))
     for key in ("LLAMAFACTORY_LIGER_FSDP_SAID_DISABLED", "LLAMAFACTORY_LIGER_FSDP_SAID_VERSIONS"):
         env.pop(key, None)
     for _ in range(2):  # a gloo rank of v1 (with or without the plugin) aborts now and then (SIGABRT): run it again once

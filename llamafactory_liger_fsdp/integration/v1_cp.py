@@ -1,0 +1,120 @@
+"""v1's Ulysses sequence parallelism (``cp_size > 1``) with the fused loss, patched once a model engaged
+(:func:`.v1.engage_v1`), recorded on the model and undone by :func:`...engage.disengage`:
+
+* the registered ``sequence_parallel_loss`` of ``llamafactory.v1.plugins.model_plugins.parallelization.
+  sequence_parallel`` (v1's trainer calls it instead of ``compute_loss`` under CP and reads ``outputs.logits``,
+  fp32 ``[B, T/cp, V]`` a rank) -- the same loss from the fused kernel: v1's own padding and split of the
+  micro-batch, the labels gathered, shifted globally and re-split (a shard's last position predicts the next shard's
+  first label), each rank's per-token log-probs from :func:`...forward.token_logps` on its shard, gathered with
+  autograd, and ``sum(-logp * w) / (sum(w) + 1e-6)`` over the whole micro-batch with v1's shifted loss weights.
+
+Every CP rank thus holds the full loss, as in v1, and the backward of the autograd all-gather sums the CP ranks'
+copies (v1's FSDP2 mean over the whole mesh cancels it), so the gradients are v1's. The first-step guard compares
+one row's loss on one rank and is not run under CP (the line says so).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .. import _patch, v1_args
+from .._log import info_rank0
+
+SP_MODULE = "llamafactory.v1.plugins.model_plugins.parallelization.sequence_parallel"
+LOSS = "sequence_parallel_loss"
+
+
+def cp_size() -> int:
+    """The CP group's size of this run (v1's DistributedInterface, set up before the model is built)."""
+    from llamafactory.v1.accelerator.interface import Dim, DistributedInterface
+
+    return int(DistributedInterface().get_world_size(Dim.CP) or 1)
+
+
+def _slot(sp: Any) -> tuple[dict, str, str]:
+    """(mapping, key, label) of the registered loss: 0.9.5 keeps ``{name: {"__call__": fn}}`` on BasePlugin, git
+    main ``{name: fn}`` per plugin class."""
+    plugin = getattr(sp, "SequenceParallelLossPlugin", None)
+    registry = getattr(plugin, "_registry", None)
+    entry = registry.get(LOSS) if isinstance(registry, dict) else None
+    where = f"{SP_MODULE}.SequenceParallelLossPlugin[{LOSS!r}]"
+    if isinstance(entry, dict) and callable(entry.get("__call__")):
+        return entry, "__call__", where
+    if callable(entry):
+        return registry, LOSS, where
+    raise _patch.PatchError(f"v1's registered `{LOSS}` not found")
+
+
+def _gather(t, group):
+    """The CP group's shards of ``t`` side by side along the sequence (no gradient)."""
+    import torch
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def fused_sequence_parallel_loss(sp: Any, model: Any, model_inputs: dict):
+    """v1's ``sequence_parallel_loss`` with each rank's log-probs from the fused kernel (no logits)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from llamafactory.v1.accelerator.interface import Dim, DistributedInterface
+
+    from .. import engage, forward
+    from .v1_train import unwrapped
+
+    interface = DistributedInterface()
+    inputs = {k: v.to(interface.current_device, non_blocking=True) for k, v in model_inputs.items()
+              if isinstance(v, torch.Tensor)}
+    inputs = sp.padding_and_split_data(inputs, interface.get_device_mesh(Dim.CP))
+    group = sp.get_ulysses_sequence_parallel_group()
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    labels = inputs.pop("labels")
+    targets = F.pad(_gather(labels, group)[..., 1:], (0, 1), value=-100).chunk(size, dim=1)[rank].contiguous()
+    logps, _, _ = forward.token_logps(model, engage.causal_lm_of(unwrapped(model)), inputs, targets, sums=False,
+                                      shifted=True)
+    logps = torch.cat(dist.nn.all_gather(logps, group=group), dim=1)[..., :-1]
+    weights = _gather(inputs["loss_weights"], group)[..., 1:]
+    return (-logps * weights).sum() / (weights.sum() + 1e-6)
+
+
+def patch(model: Any) -> list:
+    """Answer v1's sequence-parallel loss through the fused kernel for this engaged model; turn its guard off."""
+    size = cp_size()
+    if size <= 1:
+        return []
+    import torch.distributed.nn  # noqa: F401  (the autograd all_gather)
+
+    from .. import engage, forward
+    from .v1_train import unwrapped
+
+    state = forward.state_of(engage.causal_lm_of(model))
+    if state is not None and state.guard:
+        state.guard = False
+        info_rank0(f"[liger_fsdp] guard: not run under sequence parallelism (cp_size {size}): its check on one row "
+                   "of one rank does not apply to a row split across the ranks.")
+    sp = importlib.import_module(SP_MODULE)
+    mapping, key, where = _slot(sp)
+    original = mapping[key]
+    if getattr(original, _patch.MARK, False):  # a second engaged model (a reference): the loss is ours already
+        return []
+    _patch.require_params(original, ("model", "model_inputs"), LOSS)
+    said: list = []
+
+    def sequence_parallel_loss(model: Any, model_inputs: dict):
+        if engage.engaged(unwrapped(model)) is None:
+            return original(model, model_inputs)
+        if not said:
+            said.append(True)
+            info_rank0(f"[liger_fsdp] v1 sequence parallelism (Ulysses, cp_size {size}): each rank's per-token "
+                       "log-probs from the fused kernel on its own shard, labels shifted across shards as v1's "
+                       f"`{LOSS}` shifts them, no [N/cp, V] logits.")
+        return fused_sequence_parallel_loss(sp, model, model_inputs)
+
+    setattr(sequence_parallel_loss, _patch.MARK, True)
+    _patch.put(mapping, key, sequence_parallel_loss, f"v1 sequence parallelism: the loss from the fused kernel "
+               f"(`{v1_args.NAME}`), no logits", where)
+    return [lambda: _patch.undo(mapping, key)]

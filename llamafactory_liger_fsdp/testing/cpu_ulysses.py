@@ -1,0 +1,199 @@
+"""TEST-ONLY stand-ins that let LLaMA-Factory v1's Ulysses sequence parallelism (``cp_size > 1``) run on CPU gloo
+ranks. :func:`install` (called by ``cpu_ulysses_shim/sitecustomize.py``, which tests and benchmarks put on
+``PYTHONPATH``) replaces, in every process of the run:
+
+* flash-attention's kernels, as transformers' lazy import returns them for ``flash_attention_2``
+  (``flash_attn_func`` / ``flash_attn_varlen_func``), by plain scaled-dot-product attention (per segment for varlen);
+* the ``flash_attention_2`` availability checks (installed package, GPU device), so v1 may load the model with it;
+* ``torch.distributed.all_to_all`` (list form, which gloo lacks) on gloo groups by ``all_to_all_single``;
+* ``dist.get_rank()`` inside v1's ``sequence_parallel`` module (its loss moves the inputs to that CUDA index) by
+  the CPU device;
+* transformers' ``flash_attention_forward`` calling ``s_aux.to()`` on None (transformers 5.6; 5.8 checks).
+
+Nothing here changes what the loss or the attention computes; the Ulysses all-to-all, its padding and splitting are
+LLaMA-Factory's own. The package never imports this module.
+"""
+
+from __future__ import annotations
+
+import sys
+
+FLASH = "flash_attention_2"
+SP_MODULE = "llamafactory.v1.plugins.model_plugins.parallelization.sequence_parallel"
+
+
+# --------------------------------------------------------------------------- attention
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    deterministic=False):
+    """flash-attention's ``[B, S, H, D]`` call as scaled-dot-product attention (grouped KV heads included)."""
+    import torch.nn.functional as F
+
+    if tuple(window_size) != (-1, -1) or softcap:
+        raise NotImplementedError("cpu_ulysses: sliding windows and softcaps are not stood in for")
+    if causal and q.shape[1] != k.shape[1]:
+        raise NotImplementedError("cpu_ulysses: causal attention with different query and key lengths")
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p,
+                                         is_causal=causal, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False):
+    """flash-attention's packed ``[total, H, D]`` call: one attention per segment of ``cu_seqlens``."""
+    import torch
+
+    if not torch.equal(cu_seqlens_q, cu_seqlens_k):
+        raise NotImplementedError("cpu_ulysses: different query and key segments")
+    out = q.new_zeros(q.shape[:2] + v.shape[2:])
+    cuts = [int(c) for c in cu_seqlens_q]
+    for s, e in zip(cuts[:-1], cuts[1:]):
+        out[s:e] = flash_attn_func(q[None, s:e], k[None, s:e], v[None, s:e], dropout_p, softmax_scale, causal,
+                                   window_size, softcap)[0]
+    return out
+
+
+def _patch_flash_utils(mod) -> None:
+    original = mod._lazy_imports
+
+    def _lazy_imports(implementation, *args, **kwargs):
+        if implementation == FLASH:
+            return flash_attn_func, flash_attn_varlen_func, None, mod._pad_input, mod._unpad_input
+        return original(implementation, *args, **kwargs)
+
+    mod._lazy_imports = _lazy_imports
+    matrix = getattr(mod, "FLASH_ATTENTION_COMPATIBILITY_MATRIX", {})
+    if 2 in matrix:  # "installed": no fallback to a hub kernel
+        matrix[2]["general_availability_check"] = lambda *a, **k: True
+
+
+class _NoSink:
+    """What ``s_aux.to(dtype)`` gives when there is no attention sink: None."""
+
+    def to(self, *args, **kwargs):
+        return None
+
+
+def _patch_modeling_utils(mod) -> None:
+    cls = mod.PreTrainedModel
+    can = cls._flash_attn_can_dispatch
+
+    def _flash_attn_can_dispatch(self, flash_attn_version, is_init_check=False):
+        return True if flash_attn_version == 2 else can(self, flash_attn_version, is_init_check)
+
+    cls._flash_attn_can_dispatch = _flash_attn_can_dispatch
+    interface = mod.AttentionInterface
+    forward = interface._global_mapping.get(FLASH)
+    if forward is not None:
+        def flash_attention_forward(module, query, key, value, attention_mask, *args, s_aux=None, **kwargs):
+            return forward(module, query, key, value, attention_mask, *args,
+                           s_aux=_NoSink() if s_aux is None else s_aux, **kwargs)
+
+        interface.register(FLASH, flash_attention_forward)
+
+
+# --------------------------------------------------------------------------- collectives
+def _patch_all_to_all() -> None:
+    import torch
+    import torch.distributed as dist
+
+    original = dist.all_to_all
+
+    def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+        if dist.get_backend(group) != "gloo":
+            return original(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+        sizes_in = [t.numel() for t in input_tensor_list]
+        sizes_out = [t.numel() for t in output_tensor_list]
+        flat_in = torch.cat([t.reshape(-1) for t in input_tensor_list])
+        flat_out = flat_in.new_empty(sum(sizes_out))
+        dist.all_to_all_single(flat_out, flat_in, sizes_out, sizes_in, group=group)
+        for t, piece in zip(output_tensor_list, flat_out.split(sizes_out)):
+            t.copy_(piece.view_as(t))
+        return None
+
+    dist.all_to_all = all_to_all
+
+
+class _CpuRankDist:
+    """``torch.distributed`` for v1's sequence_parallel module, except that ``get_rank()`` (which it uses only as the
+    device to move inputs to) is the CPU."""
+
+    def __getattr__(self, name):
+        import torch.distributed as dist
+
+        return getattr(dist, name)
+
+    def get_rank(self, group=None):
+        import torch
+        import torch.distributed as dist
+
+        return torch.device("cpu") if group is None else dist.get_rank(group)
+
+
+def _patch_sequence_parallel(mod) -> None:
+    import torch.distributed.nn  # noqa: F401  (the loss's autograd all_gather)
+
+    mod.dist = _CpuRankDist()
+    split = mod.padding_and_split_data
+
+    def padding_and_split_data(data, device_mesh=None):
+        ids, labels = data.get("input_ids"), data.get("labels")
+        out = split(data, device_mesh)
+        if device_mesh is not None and ids is not None and ids.ndim == 2:  # what the tests assert: this rank's shard
+            cp, t = device_mesh["cp"], out["input_ids"].shape[-1]
+            cut = [r * t for r in range(1, cp.size()) if r * t < ids.shape[-1]]
+            across = int((labels[:, cut] != -100).sum()) if labels is not None and cut else 0
+            print(f"[cpu_ulysses] rank {cp.get_local_rank()} of cp {cp.size()}: input_ids {list(ids.shape)} -> "
+                  f"{list(out['input_ids'].shape)}, labelled targets across shard boundaries: {across}",
+                  file=sys.stderr, flush=True)
+        return out
+
+    mod.padding_and_split_data = padding_and_split_data
+
+
+# --------------------------------------------------------------------------- install
+PATCHERS = {
+    "transformers.modeling_flash_attention_utils": _patch_flash_utils,
+    "transformers.modeling_utils": _patch_modeling_utils,
+    SP_MODULE: _patch_sequence_parallel,
+}
+
+
+class _Loader:
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._inner.exec_module(module)
+        PATCHERS[module.__name__](module)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _Finder:
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in PATCHERS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+
+def install() -> None:
+    """Apply every stand-in in this process (modules not imported yet: when they are)."""
+    if any(isinstance(f, _Finder) for f in sys.meta_path):
+        return
+    _patch_all_to_all()
+    sys.meta_path.insert(0, _Finder())
+    for name, patch in PATCHERS.items():
+        if name in sys.modules:
+            patch(sys.modules[name])

@@ -1,0 +1,62 @@
+"""What the plugin takes of v1's sequence parallelism (``cp_size > 1``), decided from the yaml alone (the launching
+process and every rank, through :func:`.v1_args.check`). Imports no torch.
+
+Exact and tested (:mod:`.integration.v1_cp`): SFT, Ulysses, v1's FSDP2 (0.9.5's ``dist_config: {name: fsdp2,
+cp_size, cp_mode}``, git main's top-level ``cp_size`` / ``cp_mode``). Everything else under CP is refused here, once,
+before the ranks start.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from . import versions
+from .config import LigerFsdpConfigError
+
+NAME, KEY = "liger_fsdp", "kernel_config"
+FIX_REMOVE = f"or remove `{NAME}` from `{KEY}.name`"
+
+
+def _dist(values: Mapping) -> dict:
+    value = values.get("dist_config")
+    return dict(value) if isinstance(value, Mapping) else {}
+
+
+def _first(values: Mapping, key: str, default: Any) -> Any:
+    """A CP key as git main (top level) or 0.9.5 (inside ``dist_config``) spells it."""
+    value = values.get(key)
+    return value if value not in (None, default) else _dist(values).get(key, default)
+
+
+def positions_from_one() -> bool:
+    """LLaMA-Factory 0.9.5's v1 numbers positions from 1 and pads them with 0 (git main: from 0)."""
+    found = versions.installed("llamafactory")
+    return found is not None and not versions.at_least(found, "0.9.6.dev0")
+
+
+def check(command: str | None, values: Mapping, size: int) -> None:
+    """Refuse every sequence-parallel setting the plugin does not make exact (``size`` = the run's ``cp_size``)."""
+    key = "cp_size" if values.get("cp_size") not in (None, 1) else "dist_config.cp_size"
+    if command in ("dpo", "rm") or values.get("model_class") == "cls":
+        raise LigerFsdpConfigError(
+            f"`{key}: {size}` with `{KEY}.name: {NAME}` in a {command or 'reward'} run: the plugin's sequence "
+            f"parallelism covers v1 SFT (LLaMA-Factory's own DPO and RM trainers refuse cp_size > 1 too). Fix: "
+            f"`{key}: 1`, {FIX_REMOVE}.")
+    mode = str(_first(values, "cp_mode", "ulysses"))
+    if mode != "ulysses":
+        mode_key = "cp_mode" if values.get("cp_mode") not in (None, "ulysses") else "dist_config.cp_mode"
+        raise LigerFsdpConfigError(
+            f"`{mode_key}: {mode}` with `{KEY}.name: {NAME}`: the plugin's loss reproduces v1's Ulysses sequence "
+            f"parallelism only. Fix: `{mode_key}: ulysses`, {FIX_REMOVE}.")
+    dist = _dist(values).get("name")
+    if dist != "fsdp2":
+        raise LigerFsdpConfigError(
+            f"`{key}: {size}` with `dist_config.name: {dist}` and `{KEY}.name: {NAME}`: the plugin's sequence "
+            f"parallelism is exact and tested under v1's FSDP2. Fix: `dist_config: {{name: fsdp2}}`, {FIX_REMOVE}.")
+    micro = values.get("micro_batch_size")
+    if micro is not None and int(micro) == 1 and positions_from_one():
+        raise LigerFsdpConfigError(
+            f"`micro_batch_size: 1` with `{key}: {size}` on LLaMA-Factory {versions.installed('llamafactory')}: its "
+            f"v1 numbers positions from 1 and pads a sequence to a multiple of cp_size with position 0, so a one-row "
+            f"micro-batch of a length that is not a multiple looks packed to transformers and trains another "
+            f"objective, with or without `{NAME}`. Fix: `micro_batch_size: 2` or more, or a newer LLaMA-Factory.")

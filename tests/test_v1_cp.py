@@ -1,0 +1,133 @@
+"""LLaMA-Factory v1's Ulysses sequence parallelism with the plugin, on CPU ranks (the flash-attention and gloo
+stand-ins of ``llamafactory_liger_fsdp.testing.cpu_ulysses``; the all-to-all, padding and split are v1's own).
+
+v1 SFT, LoRA + ``modules_to_save: [lm_head]``, FSDP2, fp32, ``lora_dropout: 0``, ``cutoff_len: 63`` (v1 pads to 64 for
+cp 2): cp_size 2 with the plugin against cp_size 1 with the plugin (one rank) and against v1's own CP loss (logits),
+per-step losses and the saved adapter within 1e-5. Each run also shows that every rank received half of every
+sequence, that labelled targets crossed the shard boundary, and (the plugin's) that the head was computed through its
+own FSDP unit. The refusals of what stays out of reach are in the fast tier.
+"""
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+pytest.importorskip("llamafactory.v1")
+
+from llamafactory_liger_fsdp import v1_args, v1_cp_args  # noqa: E402
+from llamafactory_liger_fsdp.config import LigerFsdpConfigError  # noqa: E402
+from llamafactory_liger_fsdp.testing import rel  # noqa: E402
+from support.cli import ROOT  # noqa: E402
+from support.v1 import losses, run_v1, v1_yaml, weights  # noqa: E402
+
+ULYSSES = ROOT / "llamafactory_liger_fsdp" / "testing" / "cpu_ulysses_shim"
+HEAD_UNIT = "through 1 FSDP unit(s) (lm_head.modules_to_save.default)"
+SPLIT = re.compile(r"\[cpu_ulysses\] rank (\d+) of cp (\d+): input_ids \[(\d+), (\d+)\] -> \[(\d+), (\d+)\], "
+                   r"labelled targets across shard boundaries: (\d+)")
+
+
+def cp_keys(size: int) -> dict:
+    """The CP keys as the installed v1 spells them: git main's top-level ``cp_size`` / ``cp_mode``, else 0.9.5's
+    ``dist_config``."""
+    from llamafactory.v1.config.training_args import TrainingArguments
+
+    if "cp_size" in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        return {"dist_config": {"name": "fsdp2"}, "cp_size": size, "cp_mode": "ulysses"}
+    return {"dist_config": {"name": "fsdp2", "cp_size": size, "cp_mode": "ulysses"}}
+
+
+def long_answers(assets, base) -> str:
+    """The tiny alpaca rows with a short prompt and a long answer, so labelled targets cross the shard boundary."""
+    rows = json.loads((assets / "data" / "tiny_alpaca.json").read_text())
+    rows = [{"instruction": f"Question {i}?", "input": "", "output": f"{r['instruction']} {r['output']}"}
+            for i, r in enumerate(rows)]
+    (base / "long_answers.json").write_text(json.dumps(rows))
+    data = base / "long_answers.yaml"
+    data.write_text(json.dumps({"tiny": {"path": str(base / "long_answers.json"), "source": "local",
+                                         "converter": "alpaca"}}))
+    return str(data)
+
+
+@pytest.fixture(scope="module")
+def runs(assets, tmp_path_factory):
+    """Three launches shared by the tests: cp 1 with the plugin (one rank), cp 2 with it and without it."""
+    base = tmp_path_factory.mktemp("v1_cp")
+    data, found = long_answers(assets, base), {}
+    for name, size, plugin in (("cp1_plugin", 1, True), ("cp2_plugin", 2, True), ("cp2_v1", 2, False)):
+        out = base / name
+        extra = dict(cp_keys(size), flash_attn="flash_attention_2") if size > 1 else {}
+        cfg = v1_yaml(assets, out, "mts", plugin=plugin, cutoff_len=63, train_dataset=data, **extra)
+        cfg["peft_config"]["lora_dropout"] = 0.0
+        rc, log = run_v1(cfg, nproc=size, shims=(ULYSSES,))
+        assert rc == 0, log[-6000:]
+        found[name] = (log, losses(out), weights(out))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference", ["cp1_plugin", "cp2_v1"])
+def test_cp2_fused_loss_trains_as_reference(runs, reference):
+    log, fused_losses, fused_w = runs["cp2_plugin"]
+    _, ref_losses, ref_w = runs[reference]
+    assert len(ref_losses) == 3 and all(rel(a, b) < 1e-5 for a, b in zip(fused_losses, ref_losses)), \
+        (fused_losses, ref_losses)
+    assert fused_w.keys() == ref_w.keys() and any(k.endswith("lm_head.weight") for k in ref_w)  # the trained head
+    for name, tensor in ref_w.items():
+        assert rel(fused_w[name], tensor) < 1e-5, name
+    assert "[liger_fsdp] v1 sequence parallelism (Ulysses, cp_size 2)" in log, log[-6000:]
+    assert log.count("[liger_fsdp] engaged:") == 1 and "sharding=FSDP2" in log and HEAD_UNIT in log, log[-6000:]
+    assert "[liger_fsdp] engaged:" not in runs["cp2_v1"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cp2_plugin", "cp2_v1"])
+def test_each_rank_received_half_of_every_sequence(runs, name):
+    log = runs[name][0]
+    seen = SPLIT.findall(log)
+    assert seen and len(seen) == log.count("[cpu_ulysses]"), log[-6000:]
+    for rank, cp, b, t, b_local, t_local, _ in seen:
+        assert cp == "2" and b == b_local and int(t_local) == (int(t) + 1) // 2, (rank, t, t_local)
+    assert {rank for rank, *_ in seen} == {"0", "1"}
+    assert any(t == "63" for _, _, _, t, *_ in seen)  # padded by v1 to a multiple of cp_size
+    assert sum(int(n) for *_, n in seen) > 0  # a shard's last position predicted the next shard's first label
+
+
+# --------------------------------------------------------------------------- what stays refused (fast tier)
+BASE = {"kernel_config": {"name": "liger_fsdp"}, "micro_batch_size": 2}
+
+
+@pytest.mark.parametrize("values", [
+    {"dist_config": {"name": "fsdp2", "cp_size": 2, "cp_mode": "ulysses"}},  # 0.9.5
+    {"dist_config": {"name": "fsdp2"}, "cp_size": 4, "cp_mode": "ulysses"},  # git main
+])
+def test_ulysses_sft_under_fsdp2_is_taken(values):
+    v1_args.check("sft", {**BASE, **values})
+
+
+@pytest.mark.parametrize("command, values, expected", [
+    ("dpo", {"dist_config": {"name": "fsdp2", "cp_size": 2}}, "`dist_config.cp_size: 2` with `kernel_config.name: "
+                                                              "liger_fsdp` in a dpo run"),
+    ("sft", {"dist_config": {"name": "fsdp2", "cp_size": 2, "cp_mode": "ring"}}, "`dist_config.cp_mode: ring`"),
+    ("sft", {"dist_config": {"name": "fsdp2"}, "cp_size": 2, "cp_mode": "ring"}, "`cp_mode: ring`"),
+    ("sft", {"dist_config": {"name": "deepspeed", "cp_size": 2}}, "`dist_config.name: deepspeed`"),
+    ("sft", {"cp_size": 2}, "`cp_size: 2` with `dist_config.name: None`"),
+])
+def test_cp_out_of_reach_refused(command, values, expected):
+    with pytest.raises(LigerFsdpConfigError) as err:
+        v1_args.check(command, {**BASE, **values})
+    assert expected in str(err.value) and "Fix:" in str(err.value), str(err.value)
+
+
+def test_micro_batch_1_refused_where_v1_numbers_positions_from_1(monkeypatch):
+    values = {**BASE, "micro_batch_size": 1, "dist_config": {"name": "fsdp2", "cp_size": 2}}
+    real = v1_cp_args.versions.installed
+    monkeypatch.setattr(v1_cp_args.versions, "installed",
+                        lambda name: "0.9.5" if name == "llamafactory" else real(name))
+    with pytest.raises(LigerFsdpConfigError, match=r"`micro_batch_size: 1` with `dist_config.cp_size: 2` on "
+                                                   r"LLaMA-Factory 0.9.5.*Fix: `micro_batch_size: 2`"):
+        v1_args.check("sft", values)
+    monkeypatch.setattr(v1_cp_args.versions, "installed",
+                        lambda name: "0.9.6.dev0" if name == "llamafactory" else real(name))
+    v1_args.check("sft", values)
