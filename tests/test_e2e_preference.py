@@ -1,7 +1,8 @@
 """DPO and KTO through real `llamafactory-cli train` runs on 2 CPU ranks (FSDP2 via the test shim, and DeepSpeed
 ZeRO-3), LoRA + embed_tokens/lm_head, tiny local pairwise (`ranking: true`) and KTO datasets: per-step losses and
 every logged reward/log-prob/logit metric with `liger_fsdp: true` equal the run without the flag (rel <= 1e-4,
-fp32), the engaged line is there and the step-1 guard checked the policy's log-probs once."""
+fp32), the engaged line is there and the step-1 guard held the replaced trainer method against LLaMA-Factory's own
+once (on the policy's first call)."""
 
 import json
 
@@ -42,7 +43,8 @@ def _pair(assets, tmp_path, name, nproc=2, **cfg):
     assert all(v <= TOL for v in worst.values()), worst
     assert "rewards/chosen" in plain[1] or "rewards/chosen_sum" in plain[1]
     guard = [l for l in log.splitlines() if "[liger_fsdp] guard:" in l]  # once, on the policy's first request
-    assert len(guard) == 1 and "guard: step 1 exact: model's own loss" in guard[0], guard
+    method = {"dpo": "CustomDPOTrainer.concatenated_forward", "kto": "CustomKTOTrainer.forward"}[cfg["stage"]]
+    assert len(guard) == 1 and f"guard: step 1 exact: LLaMA-Factory's {method}" in guard[0], guard  # vs the original
     return log
 
 
