@@ -4,12 +4,14 @@ Two readings of "is this value true?", on purpose:
 
 * :func:`true_or_false` -- strict, for the plugin's own keys: a bool, or the string ``true``/``false``; anything else
   is the caller's error (:mod:`.config` names the key and the fix).
-* :func:`truthy` -- lenient, for switches that belong to other tools (environment variables, LLaMA-Factory's keys
-  in a raw yaml or argv): ``1``/``true``/``yes``/``on`` in any case; anything else is false.
+* :func:`truthy` -- lenient, for other tools' keys in a raw yaml or argv: ``1``/``true``/``yes``/``on`` in any case;
+  anything else is false.
+* :func:`env_enabled` -- LLaMA-Factory's environment switches (``USE_MCA``, ``USE_V1``, ...) read as LLaMA-Factory
+  reads them: its own ``is_env_enabled`` (``true``/``y``/``1``).
 
 Command lines are read here only: :func:`argv_options` (HfArgumentParser's ``--key value``, ``--key=value``, bare
-``--key``) and :func:`argv_values` (that, plus yaml/json files and OmegaConf's ``key=value`` overrides: a launcher's
-argv). LLaMA-Factory's own parser still decides what is valid. This module imports no torch.
+``--key``), :func:`argv_values` (that, plus yaml/json files and OmegaConf's ``key=value`` overrides: a launcher's
+argv) and :func:`read_args` (a training command's arguments as LLaMA-Factory's ``read_args`` reads them). LLaMA-Factory's own parser still decides what is valid. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -33,6 +35,45 @@ def true_or_false(value: Any) -> bool | None:
 def truthy(value: Any) -> bool:
     """Whether another tool's switch is on: ``1``/``true``/``yes``/``on`` (any case), ``True``; false otherwise."""
     return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+#: What LLaMA-Factory's ``is_env_enabled`` counts as on (used where LLaMA-Factory is not importable).
+ENV_TRUE = ("true", "y", "1")
+
+
+def env_enabled(name: str, env: Any = None) -> bool:
+    """Whether LLaMA-Factory's environment switch ``name`` is on, by its own ``extras.misc.is_env_enabled`` (the
+    truth set :data:`ENV_TRUE` where it is not importable, or for another ``env`` mapping)."""
+    if env is None:
+        try:
+            from llamafactory.extras.misc import is_env_enabled
+        except Exception:  # no LLaMA-Factory here, or it does not import on this machine
+            is_env_enabled = None
+        if is_env_enabled is not None:
+            return bool(is_env_enabled(name))
+        env = os.environ
+    return str(env.get(name, "0")).lower() in ENV_TRUE
+
+
+def read_args(argv: Sequence[str]) -> dict | list:
+    """A training command's arguments (after the command) as LLaMA-Factory's ``read_args`` reads them: a yaml/json
+    file merged with OmegaConf's ``key=value`` overrides (a dict), otherwise the argv list itself."""
+    argv = list(argv)
+    if not argv or not isinstance(argv[0], str) or not argv[0].endswith(CONFIG_FILES):
+        return argv
+    import json
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    path = Path(argv[0]).absolute()
+    if argv[0].endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            base = OmegaConf.create(json.load(f))
+    else:
+        base = OmegaConf.load(path)
+    merged = OmegaConf.to_container(OmegaConf.merge(base, OmegaConf.from_cli(argv[1:])))
+    return merged if isinstance(merged, dict) else {}
 
 
 class Option(NamedTuple):

@@ -33,6 +33,8 @@ KEYS = {
     "liger_fsdp_allow_untested_versions": "no longer needed (accepted so older yamls parse): versions newer than "
     "tested train by default, with one line naming them and the first-step guard checking the loss.",
 }
+#: Keys accepted so that older yamls parse, which change nothing (said once per run: :func:`no_effect_line`).
+NO_EFFECT = ("liger_fsdp_allow_untested_versions",)
 BACKENDS = ("auto", "triton", "triton_fast", "torch")
 ATTR = "liger_fsdp_config"
 DISABLE_ENV = "LLAMAFACTORY_LIGER_FSDP_DISABLE"
@@ -132,6 +134,15 @@ def split(args: Any) -> tuple[Any, dict[str, Any]]:
             taken.update(range(option.start, option.stop))
         return [item for i, item in enumerate(items) if i not in taken], ours
     return args, {}
+
+
+def no_effect_line(values: dict[str, Any]) -> str | None:
+    """The line for keys of :data:`NO_EFFECT` in ``values`` (None when there are none)."""
+    found = [k for k in NO_EFFECT if k in values]
+    if not found:
+        return None
+    return (f"[liger_fsdp] `{found[0]}` no longer does anything: versions newer than tested train, with one line naming "
+            "them and the first-step guard checking the loss. Fix: remove the key.")
 
 
 def get_config(finetuning_args: Any) -> LigerFsdpConfig:

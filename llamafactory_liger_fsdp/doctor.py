@@ -66,19 +66,20 @@ def _parse(path: str, overrides: list[str], machine_overrides: dict | None = Non
 FOR_THE_GPU_MACHINE = {"use_cpu": True, "deepspeed": None}
 
 
-def check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, list[str]]:
-    """(would train, report lines). The plugin's own log lines are quiet meanwhile (a clean report)."""
+def check_yaml(path: str, overrides: list[str] | None = None, accelerate: dict | None = None) -> tuple[bool, list[str]]:
+    """(would train, report lines); ``accelerate``: the config of an ``accelerate launch`` (its yaml as a dict). The
+    plugin's own log lines are quiet meanwhile (a clean report)."""
     from ._log import logger
 
     level = logger.level
     logger.setLevel("WARNING")
     try:
-        return _check_yaml(path, overrides)
+        return _check_yaml(path, overrides, accelerate)
     finally:
         logger.setLevel(level)
 
 
-def _check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, list[str]]:
+def _check_yaml(path: str, overrides: list[str] | None, accelerate: dict | None) -> tuple[bool, list[str]]:
     """(would train, report lines)."""
     from types import SimpleNamespace
 
@@ -112,6 +113,15 @@ def _check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, li
         return False, lines + [f"error: {exc}"]
     model_args, _, training_args, finetuning_args, _ = parsed
     cfg = config.get_config(finetuning_args)
+    if cfg.enabled and accelerate is not None:  # the sharding the processes of `accelerate launch` decide
+        decided = sharding.decide(training_args, {**os.environ, **sharding.accelerate_env(accelerate)})
+        cfg = dataclasses.replace(cfg, sharding=decided)
+        try:
+            refusals.check_parsed(dict(training=training_args, finetuning=finetuning_args, model=model_args), decided,
+                                  cfg, machine=False)
+        except LigerFsdpConfigError as exc:
+            return False, lines + [f"error: {exc}"]
+        setattr(finetuning_args, config.ATTR, cfg)
     if not cfg.enabled:
         why = f"disabled by {config.DISABLE_ENV}" if config.disabled_by_env() else "`liger_fsdp` is not true in this yaml"
         return True, lines + [f"plugin off ({why}): the run trains without it."]
@@ -120,7 +130,12 @@ def _check_yaml(path: str, overrides: list[str] | None = None) -> tuple[bool, li
         lines.append(f"this machine: {problem}")
     lines.append(f"liger_fsdp: on (backend {cfg.backend}); stage {finetuning_args.stage}; first-step exactness guard "
                  f"{'on' if cfg.guard else 'off (`liger_fsdp_guard: false`)'}.")
-    lines.append(f"sharding: {cfg.sharding.label} (from {cfg.sharding.source}).")
+    if cfg.sharding.kind == sharding.NONE:
+        lines.append("sharding: none as one process; under `accelerate launch` it is what the accelerate config says "
+                     "(FSDP, DeepSpeed or DDP: give it as `--accelerate-config <file>`), under torchrun "
+                     "(FORCE_TORCHRUN=1) DDP unless the yaml sets `fsdp` or `deepspeed`.")
+    else:
+        lines.append(f"sharding: {cfg.sharding.label} (from {cfg.sharding.source}).")
     if cfg.sharding.kind == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3 and (raw.get("bf16") or raw.get("fp16")):
         lines.append("dtypes: DeepSpeed ZeRO-3 in 16 bits: trainable parameters of mixed dtypes are cast to the compute "
                      "dtype after loading, as DeepSpeed does itself under ZeRO-0/1/2 (fp32 masters in its optimizer).")
@@ -161,10 +176,41 @@ def _raw(argv: list[str]) -> dict | None:
         return None
 
 
+USAGE = """usage: python -m llamafactory_liger_fsdp doctor [<yaml|json> [key=value ...]] [--accelerate-config <file>]
+
+Prints the installed versions and whether the import hook is active; with a yaml (or json), what the plugin decides
+for it, evaluated with the same code as training (a v1 yaml, `model:`, with the v1 engine's rules). key=value
+overrides are read as `llamafactory-cli train` reads them. --accelerate-config: the config of an `accelerate launch`
+of the yaml, read for the sharding. Exit status 1 when training would stop (a refusal, a rejected yaml)."""
+
+
+def _accelerate_config(argv: list[str]) -> tuple[list[str], dict | None]:
+    """``argv`` without ``--accelerate-config <file>`` (or ``=<file>``), and that accelerate config (a dict)."""
+    rest, path = [], None
+    items = iter(argv)
+    for item in items:
+        if item == "--accelerate-config":
+            path = next(items, None)
+        elif item.startswith("--accelerate-config="):
+            path = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+    if path is None:
+        return rest, None
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        return rest, yaml.safe_load(f) or {}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "doctor":
         argv = argv[1:]
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    argv, accelerate = _accelerate_config(argv)
     os.environ.setdefault("LLAMAFACTORY_VERBOSITY", "WARN")
     print("llamafactory-liger-fsdp doctor")
     for name, version in versions().items():
@@ -183,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     _bootstrap.install()  # evaluate the yaml as the hook would, even where it is not active
     from . import doctor_v1
 
-    ok, lines = (doctor_v1.check_yaml if doctor_v1.is_v1(_raw(argv)) else check_yaml)(argv[0], argv[1:])
+    if doctor_v1.is_v1(_raw(argv)):
+        ok, lines = doctor_v1.check_yaml(argv[0], argv[1:])
+    else:
+        ok, lines = check_yaml(argv[0], argv[1:], accelerate)
     print(f"\n{argv[0]}:")
     for line in lines:
         print(f"  {line}")

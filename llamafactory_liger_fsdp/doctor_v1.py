@@ -8,13 +8,13 @@ import os
 from typing import Any
 
 from . import v1_args
-from .args import truthy
+from .args import env_enabled
 from .config import LigerFsdpConfigError
 
 
 def is_v1(raw: Any) -> bool:
     """A v1 yaml: ``USE_V1`` set, or v1's ``model:`` key without the default engine's ``model_name_or_path:``."""
-    return truthy(os.environ.get("USE_V1", "")) or (isinstance(raw, dict) and "model" in raw
+    return env_enabled("USE_V1") or (isinstance(raw, dict) and "model" in raw
                                                      and "model_name_or_path" not in raw)
 
 
@@ -48,13 +48,16 @@ def head_of(raw: dict) -> str:
 def check_yaml(path: str, overrides: list[str]) -> tuple[bool, list[str]]:
     """(would train, report lines)."""
     from . import families
-    from .integration.v1 import model_config_of
+    from .integration.v1 import check_kernel_config, model_config_of
 
     raw = v1_args.read_raw([path, *overrides]) or {}
     lines = [registry_line()]
+    if not env_enabled("USE_V1"):
+        lines.append("a v1 yaml (`model:`): train it with USE_V1=1 llamafactory-cli train <yaml> (without USE_V1 the "
+                     "default engine rejects its keys).")
     try:
         v1_args.top_level_keys(raw)
-        cfg = v1_args.config_of(raw.get(v1_args.KEY))
+        cfg = check_kernel_config(raw.get(v1_args.KEY))
         if not cfg.enabled:
             return True, lines + [f"plugin off (`{v1_args.KEY}.name` does not list `{v1_args.NAME}`): the run trains "
                                   "without it."]

@@ -92,6 +92,28 @@ def record(model: nn.Module, undo: list) -> None:
     causal_lm_of(model).__dict__.setdefault(SIDE_EFFECTS, []).extend(undo)
 
 
+_HELD: dict[str, dict] = {}  # a process-wide patch's key -> its undo callables and how many models hold it
+
+
+def hold(model: nn.Module, key: str, apply) -> None:
+    """A process-wide patch that engaged models share: ``apply()`` puts it in place (its undo callables; none when it
+    is in place already) for ``model``, and it is undone when the last model holding it disengages."""
+    undo = apply()
+    entry = _HELD.setdefault(key, {"undo": [], "holders": 0})
+    entry["undo"] = entry["undo"] or list(undo)
+    entry["holders"] += 1
+
+    def release() -> None:
+        entry["holders"] -= 1
+        if entry["holders"] <= 0:
+            if _HELD.get(key) is entry:
+                del _HELD[key]
+            while entry["undo"]:
+                entry["undo"].pop()()
+
+    record(model, [release])
+
+
 def disengage(model: nn.Module) -> None:
     """Undo :func:`engage` and every side effect :func:`record`-ed for the model, newest first (before FSDP wrapping /
     ``deepspeed.initialize``; afterwards the units and partitions stay as they were built)."""

@@ -1,4 +1,4 @@
-"""The LLaMA-Factory modules the plugin patches: the hooked ones right after each executes (:mod:`.integration`).
+"""The LLaMA-Factory modules (and accelerate's launch command) the plugin patches: the hooked ones right after each executes (:mod:`.integration`).
 
 Names only: the import hook (:mod:`._bootstrap`) reads them at every interpreter start, so this module imports nothing.
 """
@@ -10,8 +10,10 @@ LAUNCHER = "llamafactory.launcher"
 V1_LAUNCHER = "llamafactory.v1.launcher"
 V1_PARSER = "llamafactory.v1.config.arg_parser"
 V1_KERNELS = "llamafactory.v1.plugins.model_plugins.kernels.interface"
+# `accelerate launch`: the accelerate CLI's launch command (refusals before any rank starts)
+ACCELERATE_LAUNCH = "accelerate.commands.launch"
 
-MODULES = frozenset((PARSER, LOADER, LAUNCHER, V1_LAUNCHER, V1_PARSER, V1_KERNELS))
+MODULES = frozenset((PARSER, LOADER, LAUNCHER, V1_LAUNCHER, V1_PARSER, V1_KERNELS, ACCELERATE_LAUNCH))
 
 # Patched later, by a run of their stage only (imported then, not hooked at import).
 DPO = "llamafactory.train.dpo.trainer"

@@ -14,7 +14,7 @@ import os
 from typing import Any, Callable
 
 from . import versions
-from .args import argv_values, truthy
+from .args import argv_values, env_enabled, truthy
 from .config import LigerFsdpConfigError
 
 #: Names LLaMA-Factory users give the output embedding in `lora_target` / `oft_target` (gpt_neox: embed_out).
@@ -132,10 +132,10 @@ def check(get: Callable[[str, Any], Any], sharding: Any = None, cfg: Any = None,
             )
     for var, why in _ENGINES.items():
         key = var.lower()
-        if truthy(os.environ.get(var, "")) or truthy(get(key, False)):
+        if env_enabled(var) or truthy(get(key, False)):
             raise LigerFsdpConfigError(
-                f"`liger_fsdp: true` does not work with {var}=1 (`{key}`): {why}. Fix: unset {var} to train with "
-                "LLaMA-Factory's default engine, or remove `liger_fsdp`."
+                f"`liger_fsdp: true` does not work with {var}={os.environ.get(var) or 1} (`{key}`): {why}. Fix: unset "
+                f"{var} to train with LLaMA-Factory's default engine, or remove `liger_fsdp`."
             )
     _head_variant(get)
     if cfg is not None:

@@ -110,6 +110,26 @@ def world_size(env: Mapping[str, str]) -> int:
     return 1
 
 
+def accelerate_env(config: Mapping[str, Any]) -> dict[str, str]:
+    """The environment ``accelerate launch --config_file`` gives its processes, as far as :func:`decide` reads it,
+    from the accelerate config (a dict of its yaml)."""
+    kind = str(config.get("distributed_type", "NO")).upper()
+    env = {"WORLD_SIZE": str(config.get("num_processes") or 1)}
+    if kind == "FSDP":
+        fsdp = config.get("fsdp_config") or {}
+        env.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION=str(fsdp.get("fsdp_version") or 1),
+                   FSDP_OFFLOAD_PARAMS=str(fsdp.get("fsdp_offload_params", False)).lower())
+    elif kind == "DEEPSPEED":
+        ds = config.get("deepspeed_config") or {}
+        env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(ds.get("zero_stage", 0)))
+        if ds.get("deepspeed_config_file"):
+            env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(ds["deepspeed_config_file"])
+        for key in ("offload_param", "offload_optimizer"):
+            if ds.get(f"{key}_device"):
+                env[f"ACCELERATE_DEEPSPEED_{key.upper()}_DEVICE"] = str(ds[f"{key}_device"])
+    return env
+
+
 def decide(training_args: Any = None, env: Mapping[str, str] | None = None) -> Sharding:
     """The sharding this run will use, from its training arguments and launcher environment."""
     env = os.environ if env is None else env

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping
 
 from . import config, sharding, versions
+from .args import read_args
 from .config import LigerFsdpConfigError
 
 NAME = "liger_fsdp"
@@ -27,18 +27,8 @@ FIX_REMOVE = f"or remove `{NAME}` from `{KEY}.name`"
 def read_raw(argv: list[str]) -> dict | None:
     """The arguments of ``<cfg.yaml|json> [dotlist overrides]`` merged as v1's ``get_args`` merges them; None for
     other forms (argv flags), which only the ranks check."""
-    if not argv or not argv[0].endswith((".yaml", ".yml", ".json")):
-        return None
-    from omegaconf import OmegaConf
-
-    path = Path(argv[0]).absolute()
-    if argv[0].endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            base = OmegaConf.create(json.load(f))
-    else:
-        base = OmegaConf.load(path)
-    merged = OmegaConf.to_container(OmegaConf.merge(base, OmegaConf.from_cli(argv[1:])))
-    return merged if isinstance(merged, dict) else None
+    raw = read_args(argv)
+    return raw if isinstance(raw, dict) and argv and argv[0].endswith((".yaml", ".yml", ".json")) else None
 
 
 def plugin_config(value: Any) -> dict:
@@ -53,31 +43,88 @@ def names(kernel_config: Any) -> list[str]:
     return [n.strip() for n in name.split(",") if n.strip()] if isinstance(name, str) else []
 
 
+#: The plugin's keys written inside ``kernel_config`` without their prefix (``guard`` for ``liger_fsdp_guard``).
+UNPREFIXED = {k[len(NAME) + 1:]: k for k in config.KEYS if k.startswith(NAME + "_")}
+#: Keys of the default engine that no v1 path reads.
+NOT_ON_V1 = {"liger_fsdp_checkpoint_repair": "v1 saves and loads checkpoints with its own code, which the plugin's "
+                                             "repair (of accelerate's FSDP2 adapter checkpoints) never touches"}
+
+
+def _misspelled(name: str) -> bool:
+    return name != NAME and name.lower().replace("-", "_").replace(" ", "_") in (NAME, "ligerfsdp")
+
+
 def config_of(kernel_config: Any) -> config.LigerFsdpConfig:
-    """The plugin's config from ``kernel_config`` (off unless ``name`` lists ``liger_fsdp``); misspelled keys and keys
-    without the name are errors."""
+    """The plugin's config from ``kernel_config`` (off unless ``name`` lists ``liger_fsdp``, or with ``liger_fsdp:
+    false``); misspelled names and keys, unprefixed keys, keys without the name and keys v1 never reads are errors."""
     values = plugin_config(kernel_config)
+    listed = names(values)
+    wrong = [n for n in listed if _misspelled(n)]
+    if wrong:
+        raise LigerFsdpConfigError(
+            f"`{KEY}.name: {values.get('name')}`: `{wrong[0]}` is not a kernel LLaMA-Factory knows (every rank would "
+            f"stop with `plugin {wrong[0]} is not registered`); the plugin's kernel is `{NAME}`. Fix: write `{NAME}` "
+            f"in `{KEY}.name`.")
     ours = {k: v for k, v in values.items() if isinstance(k, str) and k.startswith(NAME)}
-    if NAME not in names(values):
+    if NAME not in listed:
         if ours:
             raise LigerFsdpConfigError(
                 f"{', '.join(f'`{KEY}.{k}`' for k in sorted(ours))} set but `{KEY}.name` does not list `{NAME}`. "
                 f"Fix: `{KEY}: {{name: {NAME}}}`, or remove them.")
         return config.LigerFsdpConfig()
+    bare = sorted(k for k in values if k in UNPREFIXED)
+    if bare:
+        raise LigerFsdpConfigError(
+            f"{', '.join(f'`{KEY}.{k}`' for k in bare)}: the plugin's keys keep their `{NAME}_` prefix inside `{KEY}` "
+            f"(unprefixed, nothing reads them). Fix: {', '.join(f'`{KEY}.{UNPREFIXED[k]}`' for k in bare)} instead.")
+    config.check_names(ours)
+    for key, why in NOT_ON_V1.items():
+        if key in ours:
+            raise LigerFsdpConfigError(f"`{KEY}.{key}` has no effect on LLaMA-Factory's v1 engine: {why}. Fix: remove "
+                                       f"`{key}` from `{KEY}`.")
     if config.disabled_by_env():
-        config.check_names(ours)
         return config.LigerFsdpConfig()
     return config.from_mapping({NAME: True, **ours})
 
 
+def check_name_form(kernel_config: Any, takes_list: bool) -> None:
+    """A list of kernel names where the installed v1 takes one name only (0.9.5: ``KernelPlugin(name)`` of the whole
+    string)."""
+    listed = names(kernel_config)
+    if NAME in listed and len(listed) > 1 and not takes_list:
+        value = plugin_config(kernel_config).get("name")
+        raise LigerFsdpConfigError(
+            f"`{KEY}.name: {value}`: the installed LLaMA-Factory's v1 takes one kernel name, not a list (every rank "
+            f"would stop with `plugin {value} is not registered`; lists need LLaMA-Factory newer than 0.9.5). Fix: "
+            f"`{KEY}.name: {NAME}`, or upgrade LLaMA-Factory.")
+
+
+def disabled_cause() -> str:
+    """Why a ``kernel_config`` that lists ``liger_fsdp`` leaves the plugin off."""
+    return f"{config.DISABLE_ENV}=1" if config.disabled_by_env() else f"`{KEY}.{NAME}: false`"
+
+
 def top_level_keys(raw: Mapping) -> None:
-    """v1's parser rejects unknown keys; say where ours go instead."""
+    """v1's parser rejects unknown keys; say where ours go instead (or that the yaml is the default engine's)."""
     found = sorted(k for k in raw if isinstance(k, str) and k.startswith(NAME))
+    if found and "model_name_or_path" in raw:
+        raise LigerFsdpConfigError(
+            f"{', '.join(f'`{k}`' for k in found)} in a yaml of LLaMA-Factory's default engine (`model_name_or_path`), "
+            f"launched with USE_V1=1: the v1 engine reads another yaml (`model:`, `{KEY}`). Fix: unset USE_V1 to train "
+            "this yaml, or write it for v1.")
     if found:
         raise LigerFsdpConfigError(
             f"{', '.join(f'`{k}`' for k in found)}: on LLaMA-Factory's v1 engine (USE_V1=1) the plugin is a kernel and "
             f"its keys go inside `{KEY}`. Fix: `{KEY}: {{name: {NAME}}}` (with `liger_fsdp_guard`, "
             f"`liger_fsdp_backend` beside `name` if needed) instead of top-level keys.")
+
+
+def without_v1(raw: Any) -> None:
+    """A v1 yaml that names the plugin, launched for the default engine (USE_V1 unset)."""
+    if isinstance(raw, Mapping) and NAME in names(raw.get(KEY)) and "model_name_or_path" not in raw:
+        raise LigerFsdpConfigError(
+            f"`{KEY}.name: {plugin_config(raw.get(KEY)).get('name')}` is a yaml of LLaMA-Factory's v1 engine, launched "
+            "without USE_V1: the default engine rejects its keys. Fix: USE_V1=1 llamafactory-cli train <yaml>.")
 
 
 def values_of(model_args: Any, training_args: Any) -> dict:

@@ -34,16 +34,17 @@ MINIMUM = {
     "llamafactory": "0.9.5",
 }
 
-#: distribution -> the newest release tested (a plain ``X.Y`` covers every ``X.Y.z``). What CI runs: the pinned
-#: stack (torch 2.11, triton 3.6), ``pip install llamafactory==0.9.5`` as PyPI resolves it (torch 2.15, triton 3.9,
-#: numpy 2.4), LLaMA-Factory git main (0.9.6.dev0, transformers 5.8); the GPU image (transformers 5.17, peft 0.21,
-#: accelerate 1.15) in bench/run_h200.sh.
+#: distribution -> the newest release tested in CI (a plain ``X.Y`` covers every ``X.Y.z``; a dev release covers
+#: itself only): the largest of the three stacks ``scripts/test.sh`` and ``scripts/test_stacks.sh`` run -- the pinned
+#: ``requirements-cpu.txt`` (torch 2.11, triton 3.6, transformers 5.6, peft 0.18.1, accelerate 1.11, LLaMA-Factory
+#: 0.9.5), ``pip install llamafactory==0.9.5`` as PyPI resolved it (torch 2.15, triton 3.9; the rest as pinned) and
+#: LLaMA-Factory git main from the snapshot (0.9.6.dev0 with transformers 5.8). Not the GPU image's: no test runs there.
 TESTED = {
     "torch": "2.15",
     "triton": "3.9",
-    "transformers": "5.17",
-    "peft": "0.21",
-    "accelerate": "1.15",
+    "transformers": "5.8",
+    "peft": "0.18",
+    "accelerate": "1.11",
     "llamafactory": "0.9.6.dev0",
 }
 
@@ -91,9 +92,11 @@ def at_least(version: str, release: str) -> bool:
 
 
 def _newer(version: Version, newest: str) -> bool:
+    """Past the tested release: any later release for ``X.Y``; for a dev or pre-release top, anything after it (a
+    later dev release of the same version included; a local ``+build`` label is ignored)."""
     top = Version(newest)
     if top.is_prerelease or top.is_devrelease:
-        return version > top
+        return Version(version.public) > top
     return version.release[:len(top.release)] > top.release
 
 

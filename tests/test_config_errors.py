@@ -116,7 +116,7 @@ def test_settings_that_replace_the_loss(base, key):
 def test_launcher_precheck_refuses(base, bad, key):
     """The function the patched `llamafactory-cli train` runs before any rank starts, on the raw yaml (one launch of
     it end to end: test_e2e_cli.py::test_refused_once_before_any_rank_starts)."""
-    from llamafactory_liger_fsdp.integration.llamafactory import precheck
+    from llamafactory_liger_fsdp.integration.launch import precheck
 
     with pytest.raises(LigerFsdpConfigError) as err:
         precheck(dict(base, liger_fsdp=True, **bad))
@@ -189,15 +189,17 @@ def test_dora_head_refused():
 
 
 def test_disable_env_accepts_and_ignores_the_keys(base, monkeypatch, capsys):
-    from llamafactory_liger_fsdp.integration.llamafactory import SAID_ENV
+    from llamafactory_liger_fsdp import _log
 
     monkeypatch.setenv(config.DISABLE_ENV, "1")
-    monkeypatch.setenv(SAID_ENV, "")  # unsaid; restored (removed) after the test, whatever the plugin set
+    said = f"[liger_fsdp] {config.DISABLE_ENV}=1: the liger_fsdp keys are accepted and ignored"
     *_, finetuning_args, _ = _train_args(dict(base, liger_fsdp=True, liger_fsdp_backend="nonsense"))
     assert config.get_config(finetuning_args).enabled is False
-    _train_args(dict(base, liger_fsdp=True))  # a second parse (a torchrun rank after its launcher) says nothing
-    err = capsys.readouterr().err
-    assert err.count(f"[liger_fsdp] {config.DISABLE_ENV}=1: the liger_fsdp keys are accepted and ignored") == 1, err
+    _train_args(dict(base, liger_fsdp=True))  # a second run in this process says it again
+    assert capsys.readouterr().err.count(said) == 2
+    monkeypatch.setenv(_log.SAID_ENV, "disabled")  # a rank whose launcher said it: not again
+    _train_args(dict(base, liger_fsdp=True))
+    assert capsys.readouterr().err.count(said) == 0 and _log.SAID_ENV not in os.environ  # taken, not handed on
 
 
 def test_disabled_plugin_still_catches_misspelled_keys(base, monkeypatch):
@@ -236,14 +238,14 @@ def test_version_policy_older_refused_newer_named_broken_refused(base, monkeypat
 
     assert versions.too_old() == []  # the stack the tests run on works
     stack = {"torch": "2.15.0+cu130", "triton": "3.9.0", "transformers": "5.8.0", "peft": "0.18.1",
-             "accelerate": "1.11.0", "llamafactory": "0.9.6.dev0"}  # PyPI today / LLaMA-Factory git main
+             "accelerate": "1.11.0", "llamafactory": "0.9.6.dev0"}  # CI's PyPI stack / LLaMA-Factory git main
     assert versions.too_old(stack) == [] and versions.untested(stack) == []
     assert versions.too_old({"torch": "2.9.1", "transformers": "4.57.1"}) == [
         "torch 2.9.1 (needs >= 2.11)", "transformers 4.57.1 (needs >= 5.6)"]
     assert versions.upgrade_command({"torch": "2.9.1", "transformers": "4.57.1"}) == \
         "pip install 'torch>=2.11' 'transformers>=5.6'" and versions.upgrade_command(stack) is None
     assert versions.untested({"torch": "2.16.0", "triton": "3.9.1", "llamafactory": "0.9.6",
-                              "transformers": "5.17.9"}) == [
+                              "transformers": "5.8.9"}) == [
         "torch 2.16.0 (tested up to 2.15)", "llamafactory 0.9.6 (tested up to 0.9.6.dev0)"]
 
     # older: one refusal naming the versions and the upgrade
@@ -257,7 +259,7 @@ def test_version_policy_older_refused_newer_named_broken_refused(base, monkeypat
     monkeypatch.setattr(versions, "installed", lambda name: {"transformers": "5.30.0"}.get(name))
     refusals.check_raw(base, None, config.from_mapping({"liger_fsdp": True}))
     assert versions.note(True) == (
-        "[liger_fsdp] untested versions: transformers 5.30.0 (tested up to 5.17); training as usual, the first-step "
+        "[liger_fsdp] untested versions: transformers 5.30.0 (tested up to 5.8); training as usual, the first-step "
         "guard compares the fused loss with the model's own forward and stops the run if they differ.")
     assert "`liger_fsdp_guard: false`: nothing checks" in versions.note(False)
 

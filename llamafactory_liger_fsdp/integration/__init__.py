@@ -11,7 +11,10 @@ LLaMA-Factory, always (:mod:`.llamafactory`, patched by the import hook right af
 * ``llamafactory.model.loader.load_model`` -- after LLaMA-Factory built the (PEFT) model,
   :func:`..engage.engage` sets the fused forward and tags the head's FSDP units.
 * ``llamafactory.launcher.launch`` -- ``llamafactory-cli train``'s launching process checks what the
-  yaml alone decides before any rank starts (one error, printed once, last).
+  arguments alone decide before any rank starts (one error, printed once, last; :mod:`.launch`).
+
+accelerate's CLI, always (:mod:`.launch`): ``accelerate.commands.launch.launch_command`` -- ``accelerate launch``
+checks the training script's arguments the same way before it starts any process.
 
 LLaMA-Factory's v1 engine (``USE_V1=1``; :mod:`.v1`): its launcher (the same check), its ``get_args`` and its kernel
 registry (entry ``liger_fsdp``); once engaged (:mod:`.v1_train`), ``BaseTrainer.compute_log_probs`` and, under FSDP2,
@@ -46,7 +49,7 @@ from typing import Any
 
 from .. import _patch
 from .._log import info_rank0
-from ..hooked import LAUNCHER, LOADER, MODULES, PARSER, V1_KERNELS, V1_LAUNCHER, V1_PARSER
+from ..hooked import ACCELERATE_LAUNCH, LAUNCHER, LOADER, MODULES, PARSER, V1_KERNELS, V1_LAUNCHER, V1_PARSER
 
 
 def on_module_loaded(name: str, module: Any) -> None:
@@ -55,11 +58,12 @@ def on_module_loaded(name: str, module: Any) -> None:
     by a run of their stage (:func:`.preference.patch_stage`)."""
     if name not in MODULES:
         return
-    from . import llamafactory, v1
+    from . import launch, llamafactory, v1
 
     patchers = {PARSER: llamafactory.patch_parser, LOADER: llamafactory.patch_loader,
-                LAUNCHER: llamafactory.patch_launcher, V1_LAUNCHER: v1.patch_v1_launcher,
-                V1_PARSER: v1.patch_v1_parser, V1_KERNELS: v1.patch_v1_kernels}
+                LAUNCHER: launch.patch_launcher, V1_LAUNCHER: v1.patch_v1_launcher,
+                V1_PARSER: v1.patch_v1_parser, V1_KERNELS: v1.patch_v1_kernels,
+                ACCELERATE_LAUNCH: launch.patch_accelerate_launch}
     try:
         patchers[name](module)
     except _patch.PatchError as exc:

@@ -1,35 +1,24 @@
-"""The LLaMA-Factory patches of :mod:`.` that are always in place for the default engine: its parser, loader and
-launcher (v1's are :mod:`.v1`)."""
+"""The LLaMA-Factory patches of :mod:`.` that are always in place for the default engine: its parser and loader (the
+launching processes: :mod:`.launch`; v1's: :mod:`.v1`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
-from types import SimpleNamespace
 from typing import Any
 
-from .. import _patch, config, refusals, sharding, thirdparty, versions
-from .._log import info_rank0
+from .. import _log, _patch, config, refusals, sharding, thirdparty, versions
+from .._log import info_rank0, say_once
 from ..checkpoint import resume
-from ..config import LigerFsdpConfigError
 
-#: Set by the launching process for its ranks (inherited through torchrun): each of these lines is said once.
-SAID_ENV = "LLAMAFACTORY_LIGER_FSDP_SAID_DISABLED"
-SAID_VERSIONS_ENV = "LLAMAFACTORY_LIGER_FSDP_SAID_VERSIONS"
-
-
-def say_once(env: str, line: str | None) -> None:
-    """Log `line` on rank 0 once per launch (the environment variable `env` marks it said, for every process)."""
-    if line and not os.environ.get(env):
-        os.environ[env] = "1"
-        info_rank0(line)
+#: Keys of the lines said once per run (:func:`.._log.say_once`).
+SAID_DISABLED, SAID_VERSIONS, SAID_NO_EFFECT = "disabled", "versions", "no_effect"
 
 
 def _log_disabled(ours: dict) -> None:
     if ours:
-        say_once(SAID_ENV, f"[liger_fsdp] {config.DISABLE_ENV}=1: the liger_fsdp keys are accepted and ignored; this "
-                           "run trains as without the plugin.")
+        say_once(SAID_DISABLED, f"[liger_fsdp] {config.DISABLE_ENV}=1: the liger_fsdp keys are accepted and ignored; "
+                                "this run trains as without the plugin.")
 
 
 # --------------------------------------------------------------------------- the parser
@@ -37,6 +26,7 @@ def config_from_args(raw: Any) -> tuple[Any, config.LigerFsdpConfig]:
     """The raw arguments without our keys, and our validated config (off when disabled by the env; misspelled
     keys are an error either way)."""
     rest, ours = config.split(raw)
+    say_once(SAID_NO_EFFECT, config.no_effect_line(ours))
     if config.disabled_by_env():
         config.check_names(ours)
         _log_disabled(ours)
@@ -63,10 +53,8 @@ def patch_parser(parser_module: Any) -> None:
                     cfg, sharding=sharding.decide(training),
                     grad_accum=int(getattr(training, "gradient_accumulation_steps", 1) or 1),
                     label_smoothing=float(getattr(training, "label_smoothing_factor", 0.0) or 0.0))
-                _patch.log_once()
-                refusals.check_parsed(parsed, cfg.sharding, cfg)
-                resume.refuse_sharded_state_dict(cfg.sharding, parsed["finetuning"])
-                say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
+                with _log.one_message_per_run():  # before LLaMA-Factory's own checks; again once it derived its own
+                    refusals.check_parsed(parsed, cfg.sharding, cfg)
             if "finetuning" in parsed:
                 setattr(parsed["finetuning"], config.ATTR, cfg)
             return result
@@ -81,6 +69,7 @@ def patch_parser(parser_module: Any) -> None:
 
     def make_train(original):
         def get_train_args(args=None):
+            _log.new_run()
             last = getattr(parser_module, "get_last_checkpoint", None)
             if last is not None:  # with the plugin on (known once _parse_args ran), auto-resume skips half-written ones
                 skipping = resume.skip_incomplete(last)
@@ -93,8 +82,15 @@ def patch_parser(parser_module: Any) -> None:
                     parser_module.get_last_checkpoint = last
             parsed = thirdparty.parsed_args(result)
             cfg = config.get_config(parsed.get("finetuning"))
+            if cfg.enabled:  # again after LLaMA-Factory set what it derives (`use_mca`, ...)
+                _patch.log_once()
+                with _log.one_message_per_run():
+                    refusals.check_parsed(parsed, cfg.sharding, cfg)
+                    resume.refuse_sharded_state_dict(cfg.sharding, parsed["finetuning"])
+                say_once(SAID_VERSIONS, versions.note(cfg.guard))
             if cfg.enabled and getattr(parsed.get("training"), "do_train", False):
-                resume.check_resume(parsed["training"])
+                with _log.one_message_per_run():
+                    resume.check_resume(parsed["training"])
                 setattr(parsed["finetuning"], config.ATTR,
                         dataclasses.replace(cfg, start_step=resume.resumed_step(parsed["training"])))
             return result
@@ -134,9 +130,10 @@ def patch_loader(loader_module: Any) -> None:
                 info_rank0("[liger_fsdp] not engaged: the model is loaded for inference/export, not training.")
             if not (cfg.enabled and is_trainable):
                 return original(tokenizer, model_args, finetuning_args, is_trainable, add_valuehead, **kwargs)
-            check_family(model_args)
-            model = original(tokenizer, model_args, finetuning_args, is_trainable, add_valuehead, **kwargs)
-            engage_model(model, cfg, finetuning_args, liger=bool(getattr(model_args, "enable_liger_kernel", False)))
+            with _log.one_message_per_run():
+                check_family(model_args)
+                model = original(tokenizer, model_args, finetuning_args, is_trainable, add_valuehead, **kwargs)
+                engage_model(model, cfg, finetuning_args, liger=bool(getattr(model_args, "enable_liger_kernel", False)))
             return model
 
         return load_model
@@ -193,48 +190,3 @@ def engage_model(model: Any, cfg: config.LigerFsdpConfig, finetuning_args: Any =
         info_rank0("[liger_fsdp] enable_liger_kernel: Liger's fused linear cross entropy is bypassed for this model "
                    "(the plugin computes the loss); Liger's other kernels stay.")
     return done
-
-
-# --------------------------------------------------------------------------- the launcher
-def precheck(raw: Any) -> None:
-    """What the yaml alone decides, checked in the launching process (same rules as in every rank)."""
-    rest, cfg = config_from_args(raw)
-    if not cfg.enabled or not isinstance(rest, dict):
-        return
-    args = SimpleNamespace(**{k: rest.get(k) for k in ("deepspeed", "fsdp", "fsdp_config")})
-    decided = sharding.decide(args)
-    refusals.check_raw(rest, decided, cfg)
-    resume.refuse_sharded_state_dict(decided, SimpleNamespace(finetuning_type=rest.get("finetuning_type", "lora")))
-    if rest.get("resume_from_checkpoint"):
-        resume.check_resume(SimpleNamespace(resume_from_checkpoint=rest["resume_from_checkpoint"]))
-    try:
-        check_family(SimpleNamespace(**rest))
-    except LigerFsdpConfigError:
-        raise
-    except Exception:  # config not readable here (hub id offline, ...): checked again at load time
-        pass
-    say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
-
-
-def patch_launcher(launcher_module: Any) -> None:
-    _patch.require_params(launcher_module.launch, (), "launch")
-
-    def make(original):
-        def launch():
-            if sys.argv[1:2] == ["train"]:
-                from llamafactory.hparams.parser import read_args
-
-                saved = sys.argv
-                sys.argv = [saved[0]] + saved[2:]
-                try:
-                    precheck(read_args())
-                except LigerFsdpConfigError as exc:
-                    print(f"[liger_fsdp] error: {exc}", file=sys.stderr, flush=True)
-                    sys.exit(1)
-                finally:
-                    sys.argv = saved
-            return original()
-
-        return launch
-
-    _patch.apply(launcher_module, "launch", make, "refuse what the yaml alone decides before any rank starts")

@@ -24,12 +24,33 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
-from .. import _patch, config, sharding, v1_args, versions
+from .. import _log, _patch, config, sharding, v1_args, versions
+from .._log import say_once
 from ..config import LigerFsdpConfigError
-from .llamafactory import SAID_ENV, SAID_VERSIONS_ENV, read_model_config, say_once, zero3_dtypes
+from . import launch
+from .llamafactory import SAID_DISABLED, SAID_NO_EFFECT, SAID_VERSIONS, read_model_config, zero3_dtypes
 
 COMMANDS = ("train", "sft", "dpo", "rm")
-_RUN: dict[str, Any] = {"config": None}  # this process's config, from get_args
+_RUN: dict[str, Any] = {"config": None}  # this run's config, from get_args (reset when a run starts)
+
+
+def takes_list() -> bool:
+    """Whether the installed v1 takes a comma-separated list in ``kernel_config.name`` (git main's
+    ``apply_kernels``; 0.9.5 looks the whole string up); True where v1's registry cannot be imported here."""
+    try:
+        from llamafactory.v1.plugins.model_plugins.kernels import interface
+    except Exception:
+        return True
+    return hasattr(interface, "apply_kernels")
+
+
+def check_kernel_config(kernel_config: Any) -> config.LigerFsdpConfig:
+    """The plugin's config of a ``kernel_config`` and the refusals of its form (launcher, every rank, doctor)."""
+    cfg = v1_args.config_of(kernel_config)
+    v1_args.check_name_form(kernel_config, takes_list())
+    if v1_args.NAME in v1_args.names(kernel_config):
+        say_once(SAID_NO_EFFECT, config.no_effect_line(v1_args.plugin_config(kernel_config)))
+    return cfg
 
 
 # --------------------------------------------------------------------------- launcher and parser
@@ -48,7 +69,7 @@ def precheck(command: str, argv: list[str]) -> None:
     if raw is None:
         return
     v1_args.top_level_keys(raw)
-    cfg = v1_args.config_of(raw.get(v1_args.KEY))
+    cfg = check_kernel_config(raw.get(v1_args.KEY))
     if not cfg.enabled:
         return
     v1_args.check(command, raw, cfg)
@@ -57,23 +78,25 @@ def precheck(command: str, argv: list[str]) -> None:
         from .. import families
 
         families.family_of(getattr(model_config, "model_type", None))
-    say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
+    say_once(SAID_VERSIONS, versions.note(cfg.guard))
 
 
 def patch_v1_launcher(launcher_module: Any) -> None:
     _patch.require_params(launcher_module.launch, (), "launch")
 
     def make(original):
-        def launch():
+        def launch_():
+            _log.new_run()
+            _RUN["config"] = None
             if sys.argv[1:2] and sys.argv[1] in COMMANDS:
                 try:
                     precheck(sys.argv[1], sys.argv[2:])
                 except LigerFsdpConfigError as exc:
-                    print(f"[liger_fsdp] error: {exc}", file=sys.stderr, flush=True)
-                    sys.exit(1)
-            return original()
+                    launch.refused(exc)
+            with _log.handed_on():
+                return original()
 
-        return launch
+        return launch_
 
     _patch.apply(launcher_module, "launch", make, "v1: refuse what the yaml alone decides before any rank starts")
 
@@ -83,15 +106,19 @@ def patch_v1_parser(parser_module: Any) -> None:
 
     def make(original):
         def get_args(args=None):
+            _log.new_run()
+            _RUN["config"] = None
             result = original(args)
             model_args, training_args = result[0], result[2]
-            cfg = v1_args.config_of(getattr(model_args, v1_args.KEY, None))
+            with _log.one_message_per_run():
+                cfg = check_kernel_config(getattr(model_args, v1_args.KEY, None))
+                if cfg.enabled:
+                    values = v1_args.values_of(model_args, training_args)
+                    v1_args.check(None, values, cfg)
+                    cfg = dataclasses.replace(cfg, sharding=v1_args.decide_sharding(values, os.environ))
             if cfg.enabled:
-                values = v1_args.values_of(model_args, training_args)
-                v1_args.check(None, values, cfg)
-                cfg = dataclasses.replace(cfg, sharding=v1_args.decide_sharding(values, os.environ))
                 _patch.log_once()
-                say_once(SAID_VERSIONS_ENV, versions.note(cfg.guard))
+                say_once(SAID_VERSIONS, versions.note(cfg.guard))
             _RUN["config"] = cfg
             return result
 
@@ -150,8 +177,8 @@ def engage_v1(model: Any, kernel_config: Any = None):
 
     cfg = run_config(kernel_config)
     if not cfg.enabled:
-        say_once(SAID_ENV, f"[liger_fsdp] {config.DISABLE_ENV}=1: kernel "
-                 f"`{v1_args.NAME}` does nothing; this run trains as without the plugin.")
+        say_once(SAID_DISABLED, f"[liger_fsdp] {v1_args.disabled_cause()}: kernel `{v1_args.NAME}` does nothing; this "
+                                "run trains as without the plugin.")
         return model
     causal_lm = engage.causal_lm_of(model)
     if causal_lm.get_output_embeddings() is None:
@@ -163,13 +190,14 @@ def engage_v1(model: Any, kernel_config: Any = None):
         return model
     from . import v1_dpo, v1_train
 
-    engage.record(model, v1_train.patch_compute_log_probs())
-    engage.record(model, v1_dpo.patch(cfg))  # a DPO run (its trainer module is loaded) only
+    # process-wide patches, held by every engaged model: undone when the last one disengages
+    engage.hold(model, "v1 compute_log_probs", v1_train.patch_compute_log_probs)
+    engage.hold(model, "v1 DPOTrainer", lambda: v1_dpo.patch(cfg))  # a DPO run (its trainer module is loaded) only
     from . import v1_cp  # Ulysses sequence parallelism (cp_size > 1) only
 
     engage.record(model, v1_cp.patch(model))
     if getattr(cfg.sharding, "kind", None) == sharding.FSDP2:
-        engage.record(model, v1_train.patch_fully_shard())
+        engage.hold(model, "v1 fully_shard", v1_train.patch_fully_shard)
     if getattr(cfg.sharding, "kind", None) == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:
         engage.record(model, zero3_dtypes(model))  # v1 loads under zero.init too
     return model

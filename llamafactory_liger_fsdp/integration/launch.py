@@ -1,0 +1,108 @@
+"""The launching processes of :mod:`.`: what the arguments alone decide is refused there, before any rank starts, as
+one message printed once and last (exit 1); the ranks check again after parsing (:mod:`.llamafactory`), and a refusal
+there is one message from rank 0, not a traceback per rank (:func:`.._log.one_message_per_run`).
+
+* ``llamafactory.launcher.launch`` -- ``llamafactory-cli train <yaml|json|--key value ...>`` (hooked module).
+* ``accelerate.commands.launch.launch_command`` -- ``accelerate launch ... -m llamafactory.launcher <args>`` (hooked
+  module; the ``.pth`` hook runs in the ``accelerate`` CLI too): the training script's arguments are checked when
+  they carry a ``liger_fsdp`` key.
+
+What a launcher said once (the untested-versions line) is handed to its ranks for that launch only
+(:func:`.._log.handed_on`).
+"""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+from .. import _log, _patch, refusals, sharding, versions
+from ..args import read_args
+from ..checkpoint import resume
+from ..config import LigerFsdpConfigError
+
+
+def precheck(raw: Any) -> None:
+    """What the arguments alone decide (a dict from yaml/json, or an argv list), checked in the launching process with
+    the rules every rank applies after parsing."""
+    from .. import v1_args
+    from .llamafactory import SAID_VERSIONS, check_family, config_from_args
+
+    v1_args.without_v1(raw)
+    rest, cfg = config_from_args(raw)
+    if not cfg.enabled:
+        return
+    if not isinstance(rest, dict):
+        from ..args import argv_values
+
+        rest = argv_values(rest)
+    args = SimpleNamespace(**{k: rest.get(k) for k in ("deepspeed", "fsdp", "fsdp_config")})
+    decided = sharding.decide(args)
+    refusals.check_raw(rest, decided, cfg)
+    resume.refuse_sharded_state_dict(decided, SimpleNamespace(finetuning_type=rest.get("finetuning_type", "lora")))
+    if rest.get("resume_from_checkpoint"):
+        resume.check_resume(SimpleNamespace(resume_from_checkpoint=rest["resume_from_checkpoint"]))
+    try:
+        check_family(SimpleNamespace(**{k: v for k, v in rest.items() if isinstance(k, str)}))
+    except LigerFsdpConfigError:
+        raise
+    except Exception:  # config not readable here (hub id offline, ...): checked again at load time
+        pass
+    _log.say_once(SAID_VERSIONS, versions.note(cfg.guard))
+
+
+def refused(exc: LigerFsdpConfigError) -> None:
+    """The launching process's end: the message, once and last; exit 1."""
+    print(f"[liger_fsdp] error: {exc}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def patch_launcher(launcher_module: Any) -> None:
+    _patch.require_params(launcher_module.launch, (), "launch")
+
+    def make(original):
+        def launch():
+            _log.new_run()
+            if sys.argv[1:2] == ["train"]:
+                try:
+                    precheck(read_args(sys.argv[2:]))
+                except LigerFsdpConfigError as exc:
+                    refused(exc)
+            with _log.handed_on():
+                return original()
+
+        return launch
+
+    _patch.apply(launcher_module, "launch", make, "refuse what the arguments alone decide before any rank starts")
+
+
+def _carries_our_keys(raw: Any) -> bool:
+    from ..args import argv_values
+
+    values = raw if isinstance(raw, dict) else argv_values(raw)
+    return any(isinstance(k, str) and k.startswith("liger_fsdp") for k in values)
+
+
+def patch_accelerate_launch(launch_module: Any) -> None:
+    """``accelerate launch``: the training script's arguments checked before accelerate starts any process."""
+    _patch.require_params(launch_module.launch_command, ("args",), "accelerate launch_command")
+
+    def make(original):
+        def launch_command(args):
+            _log.new_run()
+            script_args = list(getattr(args, "training_script_args", None) or [])
+            script_args = script_args[1:] if script_args[:1] == ["train"] else script_args  # llamafactory-cli's
+            try:
+                raw = read_args(script_args)
+                if _carries_our_keys(raw):
+                    precheck(raw)
+            except LigerFsdpConfigError as exc:
+                refused(exc)
+            with _log.handed_on():
+                return original(args)
+
+        return launch_command
+
+    _patch.apply(launch_module, "launch_command", make,
+                 "accelerate launch: refuse what the training arguments alone decide before any rank starts")
