@@ -157,18 +157,34 @@ class FusedForward:
         return transport.pack(token_logps, sums, self.seam.vocab_size)
 
     def _guard(self, params: dict, extra: dict, labels) -> None:
-        """SFT / pt, first step with labels on some rank: the model's own ``forward(...).loss`` against the fused one."""
+        """SFT / pt, first step with labels on some rank: the model's own ``forward(...).loss`` against the fused one
+        (and, when the kernel smooths, transformers' ``LabelSmoother`` on the model's logits against it)."""
         from . import guard
 
         extra = {k: v for k, v in extra.items() if k != "num_items_in_batch"}
         batch = {**params, **extra, "labels": labels}
 
+        eps = self.state.label_smoothing
+
+        def theirs(small: dict):
+            out = self.run_original(**small)
+            if not eps:
+                return (out.loss,)
+            from transformers.trainer_pt_utils import LabelSmoother  # what the Trainer would have computed
+
+            return out.loss, LabelSmoother(epsilon=eps)(out, small["labels"], shift_labels=True)
+
         def ours(small: dict):
             p, e = self.split((), small)
-            return self.fused(p, e, p.pop("labels"), smoothing=0.0).loss  # the model's own loss never smooths
+            labels_ = p.pop("labels")
+            own = self.fused(p, e, labels_, smoothing=0.0).loss  # the model's own loss never smooths
+            return (own,) if not eps else (own, self.fused(p, e, labels_, smoothing=eps).loss)
 
-        check = guard.Check("the model's forward", lambda small: self.run_original(**small).loss, ours,
-                            lambda a, b: {"loss": (a, b)}, loss_line=True)
+        def compare(a: tuple, b: tuple) -> dict:
+            names = ("loss", "label-smoothed loss (the Trainer's LabelSmoother)")
+            return {name: pair for name, pair in zip(names, zip(a, b))}
+
+        check = guard.Check("the model's forward", theirs, ours, compare, loss_line=True)
         given = extra.get("shift_labels")
         self.state.guard = False
         self.state.guard = not guard.hold(check, self.causal_lm, self.family, batch,

@@ -197,7 +197,7 @@ def _decide(check: Check, causal_lm, family, piece, calls, pairs_out, device, st
     precision = f"{str(dtype).replace('torch.', '')} logits of the model's own precision (its forward never calls " \
         "the output embedding as a module)" if own else f"fp32 logits from the same {str(dtype).replace('torch.', '')} inputs"
     if check.loss_line:
-        head = f"model's own loss {a:.7g}, fused loss {f:.7g}"
+        head = f"model's own {name} {a:.7g}, fused {name} {f:.7g}"
     else:
         head = f"{check.what}: {name} {a:.7g}, with the fused kernel {f:.7g} (worst element)"
     text = f"{head} (|diff| {abs(f - a):.3g}, bound {rtol * abs(a) + atol:.3g}; {precision}) on {piece.describe()}"

@@ -170,3 +170,23 @@ def test_v1_a_changed_compute_log_probs_stops(v1_model, monkeypatch):
             fn()
         monkeypatch.undo()
         v1_train.patch_compute_log_probs()
+
+
+def test_the_kernels_label_smoothing_is_held_against_the_trainers(monkeypatch, capsys):
+    """With ``label_smoothing_factor`` the kernel replaces transformers' ``LabelSmoother``: step 1 compares them too,
+    and a smoother that changed (here: 1% larger) stops the run."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    for broken in (False, True):
+        if broken:
+            honest = LabelSmoother.__call__
+            monkeypatch.setattr(LabelSmoother, "__call__", lambda self, *a, **k: honest(self, *a, **k) * 1.01)
+        _, cand = twin("qwen2", "lora")
+        engage(cand, backend="torch")
+        cand.base_model.model.forward.liger_fsdp_state.label_smoothing = 0.1
+        if broken:
+            with pytest.raises(LigerFsdpConfigError, match="model's own label-smoothed loss"):
+                cand(**make_batch(ignore_frac=0.4))
+        else:
+            cand(**make_batch(ignore_frac=0.4))
+            assert "[liger_fsdp] guard: step 1 exact: model's own" in capsys.readouterr().err
