@@ -15,7 +15,7 @@ import re
 import subprocess
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT
 TIERS = {"fast": ["-m", "not slow"], "full": []}
 
 

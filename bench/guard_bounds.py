@@ -19,7 +19,7 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from common import ROOT
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LINE = re.compile(r"model's own loss (\S+), fused loss (\S+) \(")
 
@@ -62,7 +62,7 @@ def main():
     from llamafactory_liger_fsdp.testing import ALL
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "guard_bounds.json"), help="the rows' JSON")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "guard_bounds.json"), help="the rows' JSON")
     ap.add_argument("--names", default=",".join(ALL))
     ap.add_argument("--heads", default="mts,lora,full")
     ap.add_argument("--dtypes", default="float32,bfloat16,float16")
