@@ -8,7 +8,8 @@ before the ranks start.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from . import versions
 from .config import LigerFsdpConfigError

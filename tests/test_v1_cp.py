@@ -23,6 +23,7 @@ from support.cli import ROOT  # noqa: E402
 from support.v1 import losses, run_v1, v1_yaml, weights  # noqa: E402
 
 ULYSSES = ROOT / "llamafactory_liger_fsdp" / "testing" / "cpu_ulysses_shim"
+INJECT = ROOT / "tests" / "cp_inject"
 HEAD_UNIT = "through 1 FSDP unit(s) (lm_head.modules_to_save.default)"
 SPLIT = re.compile(r"\[cpu_ulysses\] rank (\d+) of cp (\d+): input_ids \[(\d+), (\d+)\] -> \[(\d+), (\d+)\], "
                    r"labelled targets across shard boundaries: (\d+)")
@@ -50,6 +51,13 @@ def long_answers(assets, base) -> str:
     return str(data)
 
 
+def cp2_yaml(assets, out, data, plugin=True) -> dict:
+    cfg = v1_yaml(assets, out, "mts", plugin=plugin, cutoff_len=63, train_dataset=data, flash_attn="flash_attention_2",
+                  **cp_keys(2))
+    cfg["peft_config"]["lora_dropout"] = 0.0
+    return cfg
+
+
 @pytest.fixture(scope="module")
 def runs(assets, tmp_path_factory):
     """Three launches shared by the tests: cp 1 with the plugin (one rank), cp 2 with it and without it."""
@@ -57,9 +65,11 @@ def runs(assets, tmp_path_factory):
     data, found = long_answers(assets, base), {}
     for name, size, plugin in (("cp1_plugin", 1, True), ("cp2_plugin", 2, True), ("cp2_v1", 2, False)):
         out = base / name
-        extra = dict(cp_keys(size), flash_attn="flash_attention_2") if size > 1 else {}
-        cfg = v1_yaml(assets, out, "mts", plugin=plugin, cutoff_len=63, train_dataset=data, **extra)
-        cfg["peft_config"]["lora_dropout"] = 0.0
+        if size > 1:
+            cfg = cp2_yaml(assets, out, data, plugin)
+        else:
+            cfg = v1_yaml(assets, out, "mts", cutoff_len=63, train_dataset=data)
+            cfg["peft_config"]["lora_dropout"] = 0.0
         rc, log = run_v1(cfg, nproc=size, shims=(ULYSSES,))
         assert rc == 0, log[-6000:]
         found[name] = (log, losses(out), weights(out))
@@ -77,6 +87,7 @@ def test_cp2_fused_loss_trains_as_reference(runs, reference):
     for name, tensor in ref_w.items():
         assert rel(fused_w[name], tensor) < 1e-5, name
     assert "[liger_fsdp] v1 sequence parallelism (Ulysses, cp_size 2)" in log, log[-6000:]
+    assert "[liger_fsdp] guard: step 1 exact: LLaMA-Factory's sequence_parallel_loss" in log, log[-6000:]
     assert log.count("[liger_fsdp] engaged:") == 1 and "sharding=FSDP2" in log and HEAD_UNIT in log, log[-6000:]
     assert "[liger_fsdp] engaged:" not in runs["cp2_v1"][0]
 
@@ -94,6 +105,22 @@ def test_each_rank_received_half_of_every_sequence(runs, name):
     assert sum(int(n) for *_, n in seen) > 0  # a shard's last position predicted the next shard's first label
 
 
+@pytest.mark.slow
+def test_guard_stops_a_one_percent_error_in_the_cp_loss(assets, tmp_path):
+    """tests/cp_inject/sitecustomize.py multiplies the plugin's CP loss by 1.01 in every rank: step 1 stops on every
+    rank with both numbers, the key and the fix."""
+    out = tmp_path / "inject"
+    rc, log = run_v1(cp2_yaml(assets, out, long_answers(assets, tmp_path)), shims=(INJECT, ULYSSES))
+    assert rc != 0 and "[cp_inject] the plugin's CP loss x 1.01" in log, log[-6000:]
+    found = re.findall(r"`liger_fsdp_guard`: on step 1 the plugin's replacement of LLaMA-Factory's "
+                       r"sequence_parallel_loss does not give what LLaMA-Factory's own gives .*?rank (\d): "
+                       r"LLaMA-Factory's sequence_parallel_loss: loss ([\d.]+), with the fused kernel ([\d.]+)", log)
+    assert {r for r, *_ in found} == {"0", "1"}, log[-6000:]
+    assert all(abs(float(f) / float(a) - 1.01) < 1e-4 for _, a, f in found), found
+    assert "(`liger_fsdp_guard: false` skips the check)" in log and "trainer_log.jsonl" not in {p.name for p in
+                                                                                              out.iterdir()}
+
+
 # --------------------------------------------------------------------------- what stays refused (fast tier)
 BASE = {"kernel_config": {"name": "liger_fsdp"}, "micro_batch_size": 2}
 
@@ -107,8 +134,8 @@ def test_ulysses_sft_under_fsdp2_is_taken(values):
 
 
 @pytest.mark.parametrize("command, values, expected", [
-    ("dpo", {"dist_config": {"name": "fsdp2", "cp_size": 2}}, "`dist_config.cp_size: 2` with `kernel_config.name: "
-                                                              "liger_fsdp` in a dpo run"),
+    ("dpo", {"dist_config": {"name": "fsdp2", "cp_size": 2}},
+     "`dist_config.cp_size: 2` with `kernel_config.name: liger_fsdp` in a dpo run"),
     ("sft", {"dist_config": {"name": "fsdp2", "cp_size": 2, "cp_mode": "ring"}}, "`dist_config.cp_mode: ring`"),
     ("sft", {"dist_config": {"name": "fsdp2"}, "cp_size": 2, "cp_mode": "ring"}, "`cp_mode: ring`"),
     ("sft", {"dist_config": {"name": "deepspeed", "cp_size": 2}}, "`dist_config.name: deepspeed`"),

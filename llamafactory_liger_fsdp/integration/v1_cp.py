@@ -9,8 +9,9 @@
   autograd, and ``sum(-logp * w) / (sum(w) + 1e-6)`` over the whole micro-batch with v1's shifted loss weights.
 
 Every CP rank thus holds the full loss, as in v1, and the backward of the autograd all-gather sums the CP ranks'
-copies (v1's FSDP2 mean over the whole mesh cancels it), so the gradients are v1's. The first-step guard compares
-one row's loss on one rank and is not run under CP (the line says so).
+copies (v1's FSDP2 mean over the whole mesh cancels it), so the gradients are v1's. On the first training call the
+guard holds v1's own ``sequence_parallel_loss`` (logits) against this one on a slice of the micro-batch (the CP ranks
+of a group hold the same micro-batch, so they cut the same slice and split it together).
 """
 
 from __future__ import annotations
@@ -82,20 +83,15 @@ def fused_sequence_parallel_loss(sp: Any, model: Any, model_inputs: dict):
 
 
 def patch(model: Any) -> list:
-    """Answer v1's sequence-parallel loss through the fused kernel for this engaged model; turn its guard off."""
+    """Answer v1's sequence-parallel loss through the fused kernel (held against v1's own on the first step)."""
     size = cp_size()
     if size <= 1:
         return []
     import torch.distributed.nn  # noqa: F401  (the autograd all_gather)
 
-    from .. import engage, forward
+    from .. import engage, forward, guard
     from .v1_train import unwrapped
 
-    state = forward.state_of(engage.causal_lm_of(model))
-    if state is not None and state.guard:
-        state.guard = False
-        info_rank0(f"[liger_fsdp] guard: not run under sequence parallelism (cp_size {size}): its check on one row "
-                   "of one rank does not apply to a row split across the ranks.")
     sp = importlib.import_module(SP_MODULE)
     mapping, key, where = _slot(sp)
     original = mapping[key]
@@ -105,13 +101,23 @@ def patch(model: Any) -> list:
     said: list = []
 
     def sequence_parallel_loss(model: Any, model_inputs: dict):
-        if engage.engaged(unwrapped(model)) is None:
+        inner = unwrapped(model)
+        engaged = engage.engaged(inner)
+        if engaged is None:
             return original(model, model_inputs)
         if not said:
             said.append(True)
             info_rank0(f"[liger_fsdp] v1 sequence parallelism (Ulysses, cp_size {size}): each rank's per-token "
                        "log-probs from the fused kernel on its own shard, labels shifted across shards as v1's "
                        f"`{LOSS}` shifts them, no [N/cp, V] logits.")
+        causal_lm = engage.causal_lm_of(inner)
+        check = guard.Check(f"LLaMA-Factory's {LOSS}", lambda b: original(model, b),
+                            lambda b: fused_sequence_parallel_loss(sp, model, b), lambda a, b: {"loss": (a, b)},
+                            models=(causal_lm,))
+        # the CP ranks of a group hold the same micro-batch, so they cut the same slice and split it together
+        state = forward.state_of(causal_lm)  # this seam gets no trainer step: the forwards so far give it
+        step = None if state is None else state.start_step + 1 + state.steps // state.grad_accum
+        guard.first_call(causal_lm, engaged.family, check, model_inputs, model_inputs["labels"], step=step)
         return fused_sequence_parallel_loss(sp, model, model_inputs)
 
     setattr(sequence_parallel_loss, _patch.MARK, True)
