@@ -33,7 +33,7 @@ from torch import nn
 from . import families, report, transport
 from ._log import info_rank0
 from .config import LigerFsdpConfig
-from .losses import HeadLoss
+from .losses import IGNORE_INDEX, HeadLoss
 
 
 @dataclass
@@ -139,7 +139,7 @@ class FusedForward:
         outputs = self.decoder(params, extra)
         loss = self.seam.loss(
             outputs.last_hidden_state, labels, shift_labels=extra.get("shift_labels"),
-            num_items_in_batch=extra.get("num_items_in_batch"), ignore_index=extra.get("ignore_index", -100),
+            num_items_in_batch=extra.get("num_items_in_batch"), ignore_index=extra.get("ignore_index", IGNORE_INDEX),
             attention_mask=params.get("attention_mask"),
             label_smoothing=self.state.label_smoothing if smoothing is None else smoothing,
         )
@@ -189,7 +189,7 @@ class FusedForward:
         self.state.guard = False
         self.state.guard = not guard.hold(check, self.causal_lm, self.family, batch,
                                           labels if given is None else given, step=self.state.global_step,
-                                          shifted=given is not None, ignore_index=extra.get("ignore_index", -100))
+                                          shifted=given is not None, ignore_index=extra.get("ignore_index", IGNORE_INDEX))
 
     def loss(self, params: dict, extra: dict, labels):
         """SFT / pt: the training loss (the guard on the first step with labels on some rank)."""

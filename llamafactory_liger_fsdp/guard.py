@@ -40,7 +40,8 @@ from . import guard_slice, versions
 from ._log import info_rank0, rank
 from .config import LigerFsdpConfigError, LigerFsdpDataError
 from .fp32_head import HeadCalls
-from .guard_slice import BUDGET  # noqa: F401  (the slice's size, read by tests and the memory twin)
+from .guard_slice import BUDGET  # noqa: F401  (the slice's size, read by tests)
+from .losses import IGNORE_INDEX
 
 BOUNDS = {torch.float32: (1e-4, 1e-6), torch.float64: (1e-4, 1e-6)}
 LOW_PRECISION = (2e-3, 1e-4)
@@ -144,7 +145,7 @@ def _unchecked(step: int, what: str, reason: str) -> None:
 
 
 def hold(check: Check, causal_lm, family, batch: dict, labels: torch.Tensor, *, step: int, shifted: bool = False,
-         pairs: bool = False, ignore_index: int = -100) -> bool:
+         pairs: bool = False, ignore_index: int = IGNORE_INDEX) -> bool:
     """Run ``check`` on a slice of ``batch`` on every rank; True once decided, False when no rank had a labelled
     position (check again next step). Raises on a mismatch or a data error (every rank)."""
     problem = vocab_problem(causal_lm, batch.get("input_ids"), labels, batch.get("shift_labels"), ignore_index)

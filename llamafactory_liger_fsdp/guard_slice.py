@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .losses import IGNORE_INDEX
+
 BUDGET = 256
 LOGITS_BUDGET = 4 * 2**30  # bytes of fp32 logits the guard may have a batch that cannot be cut build
 TEXT_INPUTS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds", "labels",
@@ -58,7 +60,7 @@ def _targets(labels: torch.Tensor, shifted: bool, ignore_index: int) -> torch.Te
 
 
 def choose(batch: dict, labels: torch.Tensor, *, masked_mean: bool = False, pairs: bool = False,
-           shifted: bool = False, ignore_index: int = -100, vocab: int = 0) -> tuple[Slice, bool]:
+           shifted: bool = False, ignore_index: int = IGNORE_INDEX, vocab: int = 0) -> tuple[Slice, bool]:
     """(the slice, whether it is too large to run: a whole batch whose fp32 logits exceed the budget). ``pairs``:
     rows ``i`` and ``i + B/2`` go together (chosen and rejected); ``shifted``: ``labels`` are already shifted
     (``shift_labels``)."""

@@ -28,6 +28,9 @@ from . import families, ops
 from .families import Family
 from .heads import Head
 
+#: The label that scores nothing (transformers' ``ForCausalLMLoss`` and LLaMA-Factory's ``IGNORE_INDEX``).
+IGNORE_INDEX = -100
+
 #: Rows of logits formed at a time for the logit sums under a softcap (non-linear, so no ``h (W^T 1)``).
 ROW_CHUNK_BYTES = 256 * 2**20
 
@@ -96,7 +99,7 @@ class HeadLoss:
         return run
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor | None, *, shift_labels: torch.Tensor | None = None,
-             num_items_in_batch: Any = None, ignore_index: int = -100, attention_mask: Any = None,
+             num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX, attention_mask: Any = None,
              label_smoothing: float = 0.0) -> torch.Tensor:
         """The training loss for decoder output ``hidden [B, T, H]``: the kernel's sum over labelled positions
         divided by ``num_items_in_batch``, or by their count (the mean). With nothing labelled that is ``0 / 0`` =
@@ -106,7 +109,7 @@ class HeadLoss:
         (``shift_labels=True``): the smoothed mean over non-ignored positions."""
         kind = self.family.loss
         if kind != "causal_lm" or label_smoothing:
-            shift_labels, num_items_in_batch, ignore_index = None, None, -100
+            shift_labels, num_items_in_batch, ignore_index = None, None, IGNORE_INDEX
         if shift_labels is None:
             shift_labels = shifted_labels(labels, ignore_index, kind, attention_mask)
         h = hidden.reshape(-1, hidden.shape[-1])
@@ -122,7 +125,7 @@ class HeadLoss:
             num_items_in_batch = num_items_in_batch.to(loss.device)
         return loss / num_items_in_batch
 
-    def token_logps(self, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+    def token_logps(self, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
                     sums: bool = True, shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """For ``hidden [B, T, H]`` and unshifted ``labels [B, T]``: (``logps [B, T-1]``: log p of ``labels[:, 1:]``,
         0 where ignored, fp32; ``logit_sums [B, T]``: each position's sum of its logits over the vocabulary, fp32,

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from .. import _patch, engage, forward, guard
+from ..losses import IGNORE_INDEX
+from ..preference import ld_sum
 from ..hooked import V1_DPO
-
-IGNORE_INDEX = -100
 
 
 def _causal_lm(model: Any):
@@ -45,15 +45,8 @@ def chosen_rejected(trainer: Any, per_token_logps: torch.Tensor, labels: torch.T
     ld_alpha = trainer.ld_alpha if use_ld else None
     if ld_alpha is not None:
         shortest = torch.min(chosen_len, rejected_len)
-        chosen_public = torch.argmax(chosen_mask.int(), dim=1) + shortest
-        rejected_public = torch.argmax(rejected_mask.int(), dim=1) + shortest
-        position = torch.arange(shift_labels.size(1), device=per_token_logps.device).unsqueeze(0)
-        sums = []
-        for mask, public in ((chosen_mask, chosen_public), (rejected_mask, rejected_public)):
-            front = position < public.unsqueeze(1)
-            sums.append((per_token_logps * (front * mask).float()).sum(dim=-1)
-                        + ld_alpha * (per_token_logps * ((~front) * mask).float()).sum(dim=-1))
-        chosen, rejected = sums
+        chosen, rejected = (ld_sum(per_token_logps, mask, torch.argmax(mask.int(), dim=1) + shortest, ld_alpha)
+                            for mask in (chosen_mask, rejected_mask))
     else:
         chosen = (per_token_logps * chosen_mask.float()).sum(dim=-1)
         rejected = (per_token_logps * rejected_mask.float()).sum(dim=-1)
