@@ -70,3 +70,39 @@ def test_dpo_equals_v1s_own(head, pref_loss, kw):
         assert_same_grads(cand, ref)
     finally:
         engage.disengage(cand)
+
+
+def test_guard_holds_compute_loss_against_llamafactorys(caplog, monkeypatch):
+    """Step 1 runs LLaMA-Factory's own compute_loss (its own _compute_ref_logps, the model's own forward) beside the
+    replacement on a slice: exact once on an honest run; a release whose loss differs (here: halved) stops the run
+    naming the method and the LLaMA-Factory version."""
+    import logging
+    from importlib.metadata import version
+
+    from llamafactory_liger_fsdp.config import LigerFsdpConfigError
+
+    cand = make_peft(make_model("llama"), "mts")
+    apply_kernel(cand)
+    try:
+        cand.train()
+        trainer = stand_in(cand, "sigmoid")
+        with caplog.at_level(logging.INFO):
+            for seed in (0, 1):
+                trainer.compute_loss(pair_batch(seed)).backward()
+        lines = [r.getMessage() for r in caplog.records if "guard:" in r.getMessage()]
+        assert len(lines) == 1 and "guard: step 1 exact: LLaMA-Factory's DPOTrainer.compute_loss" in lines[0], lines
+    finally:
+        engage.disengage(cand)
+    released = dpo.DPOTrainer.compute_loss
+    monkeypatch.setattr(dpo.DPOTrainer, "compute_loss", lambda self, batch: released(self, batch) / 2)
+    cand = make_peft(make_model("llama"), "mts")
+    apply_kernel(cand)  # patches the changed method
+    try:
+        cand.train()
+        with pytest.raises(LigerFsdpConfigError) as exc:
+            stand_in(cand, "sigmoid").compute_loss(pair_batch())
+    finally:
+        engage.disengage(cand)
+    msg = str(exc.value)
+    assert "replacement of LLaMA-Factory's DPOTrainer.compute_loss does not give what LLaMA-Factory's own gives" in msg
+    assert f"llamafactory {version('llamafactory')}" in msg
