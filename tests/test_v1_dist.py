@@ -91,9 +91,9 @@ def test_dpo_equals_v1s_own(assets, tmp_path):
 
 
 def test_fsdp2_trains_the_seeds_adapter(assets, tmp_path):
-    """LoRA + ``modules_to_save: [lm_head, embed_tokens]`` (the seed's adapter) under v1's FSDP2: v1 alone stops (it
-    shards the untied embedding copy twice: asserted by test_bench_v1_smoke.py); with the plugin it trains, equal to
-    v1's own run under DDP."""
+    """LoRA + ``modules_to_save: [lm_head, embed_tokens]`` (the seed's adapter) under v1's FSDP2: with the plugin it
+    trains, equal to v1's own run under DDP, whether or not the installed v1 still shards the untied embedding copy
+    twice (where it does, the plugin leaves the second call alone and says so once; v1 alone stops on it)."""
     mts = {"name": "lora", "r": 4, "lora_alpha": 8, "target_modules": "all", "modules_to_save": ["lm_head",
                                                                                                  "embed_tokens"]}
     runs = {}
@@ -103,7 +103,7 @@ def test_fsdp2_trains_the_seeds_adapter(assets, tmp_path):
         assert rc == 0, log[-6000:]
         runs[name] = (log, losses(out), weights(out))
     log = runs["plugin_fsdp2"][0]
-    assert "already a unit" in log and UNITS["mts"] in log, log[-6000:]
+    assert UNITS["mts"] in log and log.count("already a unit") <= 1, log[-6000:]  # v1's double call: once at most
     assert all(rel(a, b) < 1e-5 for a, b in zip(runs["plugin_fsdp2"][1], runs["plain_ddp"][1]))
     for name, tensor in runs["plain_ddp"][2].items():
         assert rel(runs["plugin_fsdp2"][2][name], tensor) < 1e-4, name
