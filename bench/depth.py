@@ -13,7 +13,7 @@ Every run: LoRA r16 ``lora_target: all`` + ``additional_target: embed_tokens,lm_
 checkpointing, through bench/common.py's ``run`` (torchrun + bench/lf_bench_launch.py). tokens/s = the step's tokens /
 median step time after step 1; peak = ``torch.cuda.max_memory_allocated``; the set-up's and each phase's peak too.
 
-Run r plays the variants in order on even r and reversed on odd r, at every --cutoffs. ``--search`` (sft): per
+Run r plays each --cutoffs' variants back to back, in order on even r and reversed on odd r. ``--search``: per
 variant, from the first --cutoffs up the ladder (4k ... 128k) while it trains, down while it does not: the longest
 cutoff that trains. ``--deadline S``: no run starts after S s, and a run still going then is stopped (it leaves no row).
 Rows are appended to --out: ``{card}`` in it is the card's short name (h200, h100, ...), so a card's rows go to its
@@ -243,14 +243,14 @@ def measure(args, out) -> None:
               f"{'' if row['fits'] else (row['error'] or '')[:300]}", flush=True)
         return row
 
-    ladder = [c for c in (sorted(set(cutoffs) | set(LADDER)) if not args.smoke else (64, 128, 256, 512))
-              if c <= args.max_cutoff]
+    ladder = sorted({c for c in (LADDER if not args.smoke else (64, 128, 256, 512)) if c <= args.max_cutoff}
+                    | {cutoffs[0]})
     for r in range(args.runs):
-        for variant in variants if r % 2 == 0 else variants[::-1]:
-            if not args.search:
-                for cutoff in cutoffs:
-                    go(variant, cutoff)
-                continue
+        order = variants if r % 2 == 0 else variants[::-1]
+        for cutoff in [] if args.search else cutoffs:  # each cutoff's variants back to back
+            for variant in order:
+                go(variant, cutoff)
+        for variant in order if args.search else []:
             cutoff, way = cutoffs[0], 0  # up the ladder while it trains, down while it does not
             while cutoff is not None and (row := go(variant, cutoff)) is not None:
                 way = way or (1 if row["fits"] else -1)
