@@ -192,3 +192,20 @@ def test_readme_is_a_front_page():
                     "`transformers>=4.55.0,<=5.6.0 is required`",
                     "RuntimeError: size mismatch, got input (2), mat (2x4096), vec (65667072)"):
         assert command in text, command
+
+
+def test_readme_versions_table_is_the_policy():
+    """The README's "tested" row tops out at versions.TESTED and its "refused" row is versions.MINIMUM."""
+    from llamafactory_liger_fsdp import versions
+
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] == "":
+            names = cells[1:]
+        elif cells[0].startswith(("tested (CI", "refused")):
+            rows[cells[0].split()[0]] = dict(zip(names, cells[1:]))
+    for name in versions.MINIMUM:
+        assert rows["refused"][name] == f"< {versions.MINIMUM[name]}", (name, rows["refused"])
+        newest = re.findall(r"\d+(?:\.\d+)+(?:\.dev\d+)?", rows["tested"][name])[-1]
+        assert newest == versions.TESTED[name], (name, rows["tested"][name], versions.TESTED[name])
