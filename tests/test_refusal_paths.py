@@ -304,6 +304,25 @@ def test_doctor_sharding_under_accelerate_launch(assets, tmp_path, monkeypatch):
     assert ok and "sharding: FSDP2 (from accelerate's FSDP config)." in lines, lines
 
 
+def test_liger_kernels_without_cuda_refused_at_load_not_in_the_guard(monkeypatch):
+    """`enable_liger_kernel` on a machine without a GPU: the cause is Liger's kernels, named before step 1 (whose
+    guard would run them first), not the plugin's guard."""
+    liger = pytest.importorskip("liger_kernel.transformers")
+    import torch
+
+    from llamafactory_liger_fsdp.integration.llamafactory import liger_needs_cuda
+    from llamafactory_liger_fsdp.testing import make_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = make_model("llama")
+    liger_needs_cuda(model)  # Liger's loss only (what LF_BENCH_LIGER_LOSS_ONLY leaves): nothing to refuse
+    model.model.norm = liger.LigerRMSNorm(model.config.hidden_size)
+    with pytest.raises(LigerFsdpConfigError) as err:
+        liger_needs_cuda(model)
+    names_key_and_fix(str(err.value), "enable_liger_kernel: true", "`enable_liger_kernel: false`")
+    assert "LigerRMSNorm" in str(err.value) and "guard" not in str(err.value)
+
+
 def test_v1_yaml_without_use_v1_gets_the_hint(monkeypatch):
     from llamafactory_liger_fsdp.integration.launch import precheck
 

@@ -10,6 +10,7 @@ from typing import Any
 from .. import _log, _patch, config, refusals, sharding, thirdparty, versions
 from .._log import info_rank0, say_once
 from ..checkpoint import resume
+from ..config import LigerFsdpConfigError
 
 #: Keys of the lines said once per run (:func:`.._log.say_once`).
 SAID_DISABLED, SAID_VERSIONS, SAID_NO_EFFECT = "disabled", "versions", "no_effect"
@@ -130,10 +131,13 @@ def patch_loader(loader_module: Any) -> None:
                 info_rank0("[liger_fsdp] not engaged: the model is loaded for inference/export, not training.")
             if not (cfg.enabled and is_trainable):
                 return original(tokenizer, model_args, finetuning_args, is_trainable, add_valuehead, **kwargs)
+            liger = bool(getattr(model_args, "enable_liger_kernel", False))
             with _log.one_message_per_run():
                 check_family(model_args)
                 model = original(tokenizer, model_args, finetuning_args, is_trainable, add_valuehead, **kwargs)
-                engage_model(model, cfg, finetuning_args, liger=bool(getattr(model_args, "enable_liger_kernel", False)))
+                if liger:
+                    liger_needs_cuda(model)
+                engage_model(model, cfg, finetuning_args, liger=liger)
             return model
 
         return load_model
@@ -143,6 +147,27 @@ def patch_loader(loader_module: Any) -> None:
         for mod_name, mod in list(sys.modules.items()):
             if mod_name.startswith("llamafactory") and mod is not loader_module:
                 _patch.rebind(mod, "load_model", patch.original, patch.replacement, "re-exported load_model")
+
+
+def liger_needs_cuda(model: Any) -> None:
+    """``enable_liger_kernel`` on a machine without CUDA: Liger's module kernels in the model (RMSNorm, SwiGLU, ...)
+    cannot run there, with or without the plugin; refused at load time, before step 1 runs them."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    try:
+        import liger_kernel.transformers as liger
+    except ImportError:
+        return
+    kinds = tuple(c for name in dir(liger) if name.startswith("Liger") and isinstance(c := getattr(liger, name), type)
+                  and issubclass(c, torch.nn.Module))
+    found = sorted({type(m).__name__ for m in model.modules() if isinstance(m, kinds)})
+    if found:
+        raise LigerFsdpConfigError(
+            f"`enable_liger_kernel: true`: Liger's kernels in this model ({', '.join(found)}) need a CUDA GPU and this "
+            "machine has none, so the first forward would fail in them, with or without `liger_fsdp`. Fix: set "
+            "`enable_liger_kernel: false` on this machine, or run on a CUDA GPU.")
 
 
 def zero3_dtypes(model: Any) -> list:
