@@ -1,11 +1,14 @@
 """LLaMA-Factory v1's Ulysses sequence parallelism with the plugin, on CPU ranks (the flash-attention and gloo
 stand-ins of ``llamafactory_liger_fsdp.testing.cpu_ulysses``; the all-to-all, padding and split are v1's own).
 
-v1 SFT, LoRA + ``modules_to_save: [lm_head]``, FSDP2, fp32, ``lora_dropout: 0``, ``cutoff_len: 63`` (v1 pads to 64 for
-cp 2): cp_size 2 with the plugin against cp_size 1 with the plugin (one rank) and against v1's own CP loss (logits),
-per-step losses and the saved adapter within 1e-5. Each run also shows that every rank received half of every
-sequence, that labelled targets crossed the shard boundary, and (the plugin's) that the head was computed through its
-own FSDP unit. The refusals of what stays out of reach are in the fast tier.
+v1 SFT, LoRA + ``modules_to_save: [lm_head]``, FSDP2, fp32, ``lora_dropout: 0``, ``cutoff_len: 127`` (v1 pads to 128
+for cp 2): cp_size 2 with the plugin against cp_size 1 with the plugin (one rank) and against v1's own CP loss (logits):
+per-step losses, the saved head and the saved adapter as a whole within 1e-5, each adapter tensor within 1e-4 (after
+three AdamW steps one LoRA tensor reached 1.3e-5 between v1's own cp 2 and cp 1 runs on git main's stack). Each run
+also shows that every rank received half of every sequence, that labelled targets crossed the shard boundary, and
+(the plugin's) that the head was computed through its own FSDP unit and the guard held v1's own CP loss against it;
+a 1% error injected into the plugin's CP loss is stopped at step 1. The refusals of what stays out of reach are in
+the fast tier.
 """
 
 import dataclasses
@@ -13,6 +16,7 @@ import json
 import re
 
 import pytest
+import torch
 
 pytest.importorskip("llamafactory.v1")
 
@@ -24,6 +28,7 @@ from support.v1 import losses, run_v1, v1_yaml, weights  # noqa: E402
 
 ULYSSES = ROOT / "llamafactory_liger_fsdp" / "testing" / "cpu_ulysses_shim"
 INJECT = ROOT / "tests" / "cp_inject"
+CUTOFF = 127  # odd: v1 pads every row to 128 for cp 2
 HEAD_UNIT = "through 1 FSDP unit(s) (lm_head.modules_to_save.default)"
 SPLIT = re.compile(r"\[cpu_ulysses\] rank (\d+) of cp (\d+): input_ids \[(\d+), (\d+)\] -> \[(\d+), (\d+)\], "
                    r"labelled targets across shard boundaries: (\d+)")
@@ -42,8 +47,8 @@ def cp_keys(size: int) -> dict:
 def long_answers(assets, base) -> str:
     """The tiny alpaca rows with a short prompt and a long answer, so labelled targets cross the shard boundary."""
     rows = json.loads((assets / "data" / "tiny_alpaca.json").read_text())
-    rows = [{"instruction": f"Question {i}?", "input": "", "output": f"{r['instruction']} {r['output']}"}
-            for i, r in enumerate(rows)]
+    rows = [{"instruction": f"Question {i}?", "input": "", "output": " ".join([r["instruction"], r["output"]] * 3)}
+            for i, r in enumerate(rows)]  # every row cut at CUTOFF; the prompt ends before the middle on both stacks
     (base / "long_answers.json").write_text(json.dumps(rows))
     data = base / "long_answers.yaml"
     data.write_text(json.dumps({"tiny": {"path": str(base / "long_answers.json"), "source": "local",
@@ -52,8 +57,8 @@ def long_answers(assets, base) -> str:
 
 
 def cp2_yaml(assets, out, data, plugin=True) -> dict:
-    cfg = v1_yaml(assets, out, "mts", plugin=plugin, cutoff_len=63, train_dataset=data, flash_attn="flash_attention_2",
-                  **cp_keys(2))
+    cfg = v1_yaml(assets, out, "mts", plugin=plugin, cutoff_len=CUTOFF, train_dataset=data,
+                  flash_attn="flash_attention_2", **cp_keys(2))
     cfg["peft_config"]["lora_dropout"] = 0.0
     return cfg
 
@@ -68,7 +73,7 @@ def runs(assets, tmp_path_factory):
         if size > 1:
             cfg = cp2_yaml(assets, out, data, plugin)
         else:
-            cfg = v1_yaml(assets, out, "mts", cutoff_len=63, train_dataset=data)
+            cfg = v1_yaml(assets, out, "mts", cutoff_len=CUTOFF, train_dataset=data)
             cfg["peft_config"]["lora_dropout"] = 0.0
         rc, log = run_v1(cfg, nproc=size, shims=(ULYSSES,))
         assert rc == 0, log[-6000:]
@@ -83,9 +88,12 @@ def test_cp2_fused_loss_trains_as_reference(runs, reference):
     _, ref_losses, ref_w = runs[reference]
     assert len(ref_losses) == 3 and all(rel(a, b) < 1e-5 for a, b in zip(fused_losses, ref_losses)), \
         (fused_losses, ref_losses)
-    assert fused_w.keys() == ref_w.keys() and any(k.endswith("lm_head.weight") for k in ref_w)  # the trained head
-    for name, tensor in ref_w.items():
-        assert rel(fused_w[name], tensor) < 1e-5, name
+    head = next(k for k in ref_w if k.endswith("lm_head.weight"))  # the trained head, in the adapter
+    assert fused_w.keys() == ref_w.keys() and rel(fused_w[head], ref_w[head]) < 1e-5
+    names = sorted(ref_w)
+    assert rel(torch.cat([fused_w[k].flatten() for k in names]), torch.cat([ref_w[k].flatten() for k in names])) < 1e-5
+    for name in names:  # AdamW divides each element by its own running norm: see test_v1_dist.py
+        assert rel(fused_w[name], ref_w[name]) < 1e-4, name
     assert "[liger_fsdp] v1 sequence parallelism (Ulysses, cp_size 2)" in log, log[-6000:]
     assert "[liger_fsdp] guard: step 1 exact: LLaMA-Factory's sequence_parallel_loss" in log, log[-6000:]
     assert log.count("[liger_fsdp] engaged:") == 1 and "sharding=FSDP2" in log and HEAD_UNIT in log, log[-6000:]
@@ -101,7 +109,7 @@ def test_each_rank_received_half_of_every_sequence(runs, name):
     for rank, cp, b, t, b_local, t_local, _ in seen:
         assert cp == "2" and b == b_local and int(t_local) == (int(t) + 1) // 2, (rank, t, t_local)
     assert {rank for rank, *_ in seen} == {"0", "1"}
-    assert any(t == "63" for _, _, _, t, *_ in seen)  # padded by v1 to a multiple of cp_size
+    assert any(t == str(CUTOFF) for _, _, _, t, *_ in seen)  # padded by v1 to a multiple of cp_size
     assert sum(int(n) for *_, n in seen) > 0  # a shard's last position predicted the next shard's first label
 
 
