@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import families, report, transport
+from . import families, fp32_limbs, report
 from ._log import info_rank0
 from .config import LigerFsdpConfig
 from .losses import IGNORE_INDEX, HeadLoss
@@ -104,7 +104,7 @@ def token_logps(model: nn.Module, causal_lm: nn.Module, inputs: dict, labels: to
     state = state_of(causal_lm)
     with _pending(state, Request(labels, sums, step, shifted)):
         out = model(**inputs, return_dict=True, use_cache=False)
-    logps, sums = transport.unpack(out)
+    logps, sums = fp32_limbs.unpack(out)
     return logps, sums, out.vocab_size
 
 
@@ -145,7 +145,7 @@ class FusedForward:
         )
         return families.build_output(self.family, self.causal_lm, loss, outputs, params.get("attention_mask"), with_aux)
 
-    def logps(self, params: dict, extra: dict, request: Request) -> transport.LogpsOutput:
+    def logps(self, params: dict, extra: dict, request: Request) -> fp32_limbs.LogpsOutput:
         """Per-token log-probs (and per-position logit sums when asked), any mode (the reference pass too); the
         trainer's method that asked is held against LLaMA-Factory's own by the guard."""
         for key in ("labels", "logits_to_keep", "output_router_logits"):
@@ -154,7 +154,7 @@ class FusedForward:
             self.first_step()
         hidden = self.decoder(params, extra).last_hidden_state
         token_logps, sums = self.seam.token_logps(hidden, request.labels, sums=request.sums, shifted=request.shifted)
-        return transport.pack(token_logps, sums, self.seam.vocab_size)
+        return fp32_limbs.pack(token_logps, sums, self.seam.vocab_size)
 
     def _guard(self, params: dict, extra: dict, labels) -> None:
         """SFT / pt, first step with labels on some rank: the model's own ``forward(...).loss`` against the fused one

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from . import thirdparty, transport
+from . import fp32_limbs, thirdparty
 
 
 def _checkpoint_inner(module: nn.Module) -> nn.Module | None:
@@ -126,10 +126,10 @@ def _redirect(unit: nn.Module, fn: Callable, args: tuple) -> Any:
 
 def call_through(found: Iterable[nn.Module], fn: Callable, *args: Any) -> Any:
     """Run ``fn(*args)`` inside the forward of every unit in ``found`` (outermost first). fp32 results cross FSDP2
-    units as :func:`.transport.split_fp32` limbs, so a unit's mixed-precision output cast does not round them."""
+    units as :func:`.fp32_limbs.split_fp32` limbs, so a unit's mixed-precision output cast does not round them."""
     found = list(found)
     if any(thirdparty.is_fsdp2(u) for u in found):
-        return transport.join_fp32(_call(found, lambda *a: transport.split_all(fn(*a)), args))
+        return fp32_limbs.join_fp32(_call(found, lambda *a: fp32_limbs.split_all(fn(*a)), args))
     return _call(found, fn, args)
 
 

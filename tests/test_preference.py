@@ -196,11 +196,11 @@ def test_fp32_results_survive_a_bf16_output_cast():
     """FSDP2 under accelerate's bf16 casts every floating output of a unit (and the root) to bf16: a per-token
     log-prob of about -12 would move by up to 0.03. Carried as two parts it keeps 16 bits; the gradient is what any
     cast output gets (the incoming gradient in bf16), not doubled or lost."""
-    from llamafactory_liger_fsdp import transport
+    from llamafactory_liger_fsdp import fp32_limbs
 
     x = (-12 * torch.rand(4096, dtype=torch.float64)).float().requires_grad_()
-    marker, hi, lo = transport.split_fp32(x)
-    cast = transport.join_fp32((marker, hi.to(torch.bfloat16), lo.to(torch.bfloat16)))  # what the unit hands back
+    marker, hi, lo = fp32_limbs.split_fp32(x)
+    cast = fp32_limbs.join_fp32((marker, hi.to(torch.bfloat16), lo.to(torch.bfloat16)))  # what the unit hands back
     assert (cast - x).abs().max().item() <= 12 * 2.0**-16
     assert (x.to(torch.bfloat16).float() - x).abs().max().item() > 12 * 2.0**-12  # a plain cast loses far more
     weights = torch.randn(4096)
