@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import families, fp32_limbs, report
+from . import announce, families, fp32_limbs
 from ._log import info_rank0
 from .config import LigerFsdpConfig
 from .losses import IGNORE_INDEX, HeadLoss
@@ -127,7 +127,7 @@ class FusedForward:
     def first_step(self):
         """Count a training forward; the first one logs the engaged line (and returns the memory report's wrapper)."""
         self.state.steps += 1
-        return report.first_step(self.causal_lm, self.seam, self.state.config) if self.state.steps == 1 else None
+        return announce.first_step(self.causal_lm, self.seam, self.state.config) if self.state.steps == 1 else None
 
     def decoder(self, params: dict, extra: dict):
         return getattr(self.causal_lm, self.decoder_attr)(**params, **extra)

@@ -137,7 +137,7 @@ def run_case(case: str, rank: int, world: int) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from llamafactory_liger_fsdp.engage import causal_lm_of, engage
-    from llamafactory_liger_fsdp.report import engaged_line
+    from llamafactory_liger_fsdp.announce import engaged_line
     from llamafactory_liger_fsdp.testing import make_batch, make_model, make_peft, rel
 
     family, kind, stage, *rest = case.split(":")
