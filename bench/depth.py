@@ -371,7 +371,8 @@ def plot(all_rows, out) -> None:
                 ax.barh(i, math.log2(lc), color=COLORS[v])
                 tps, peak = (median_of(rows, k, "fsdp2", v, lc) for k in ("tokens_per_s", "peak_gib"))
                 ax.text(math.log2(max([lc] + fails)) + 0.2, i, f"{short(lc)}: {tps / 1e3:.2f}k tok/s, {peak:.1f} GiB"
-                        + (f"; {short(min(fails))} does not fit" if fails else ""), va="center", fontsize=8)
+                        + (f"; {short(min(fails))} does not fit" if fails else "" if lc >= LADDER[-1] else
+                           "; longer not run"), va="center", fontsize=8)
         ax.set_yticks(range(len(searched)), searched)
         ax.set_xticks([math.log2(c) for c in ladder], [short(c) for c in ladder])
         ax.set_xlim(math.log2(ladder[0]) - 0.5, math.log2(ladder[-1]) + 3.2)
