@@ -6,7 +6,7 @@ picked the CPU (``torch.accelerator.current_accelerator()`` is None there). Test
 every process of a ``USE_V1=1 llamafactory-cli`` run (the torchrun workers included) skips that call when no
 accelerator is available. Nothing else changes: v1 still picks gloo and the CPU by itself.
 
-Test support only: tests/ (tests/support/v1.py) and bench/v1_h200.py's CPU runs put this directory on PYTHONPATH;
+Test support only: tests/ (tests/support/v1.py) and bench/v1.py's CPU runs put this directory on PYTHONPATH;
 the package never imports it.
 """
 
