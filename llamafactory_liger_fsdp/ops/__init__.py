@@ -46,6 +46,47 @@ def check_labels(labels: torch.Tensor, v: int, ignore_index: int = -100) -> None
         raise label_error(labels, v, ignore_index, bad)
 
 
+def _check_arguments(hidden, weight, labels, frozen_weight, reduction, label_smoothing, softcap) -> None:
+    """ValueError naming what is wrong with the arguments, before any kernel runs."""
+    if hidden.dim() != 2 or weight.dim() != 2 or labels.dim() != 1:
+        raise ValueError(
+            f"fused_linear_cross_entropy wants hidden [N, H], weight [V, H], labels [N]; got "
+            f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}"
+        )
+    h_f = 0 if frozen_weight is None else frozen_weight.shape[1]
+    if (hidden.shape[1] != h_f + weight.shape[1] or hidden.shape[0] != labels.shape[0]
+            or (frozen_weight is not None and (frozen_weight.dim() != 2 or frozen_weight.shape[0] != weight.shape[0]))):
+        frozen = "" if frozen_weight is None else f", frozen_weight {tuple(frozen_weight.shape)}"
+        raise ValueError(
+            f"fused_linear_cross_entropy: shapes do not match: hidden {tuple(hidden.shape)}, weight "
+            f"{tuple(weight.shape)}{frozen}, labels {tuple(labels.shape)}"
+        )
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"fused_linear_cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"fused_linear_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"fused_linear_cross_entropy: softcap must be > 0 or None, got {softcap!r}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise ValueError(f"fused_linear_cross_entropy: labels must be integers, got {labels.dtype}")
+
+
+def _operands(hidden, weight, frozen_weight):
+    """The operands as the GEMMs take them: cast to the autocast dtype, as ``nn.Linear`` would; one dtype."""
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        frozen_weight = None if frozen_weight is None else frozen_weight.to(dtype)
+    if hidden.dtype != weight.dtype or (frozen_weight is not None and frozen_weight.dtype != weight.dtype):
+        raise TypeError(
+            f"fused_linear_cross_entropy: hidden is {hidden.dtype} but weight is {weight.dtype}"
+            f"{'' if frozen_weight is None else f' and frozen_weight {frozen_weight.dtype}'} (outside autocast). "
+            "Cast one of them, as nn.Linear would require."
+        )
+    return hidden, weight, frozen_weight
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -83,44 +124,14 @@ def fused_linear_cross_entropy(
     ``weight``; ``(loss, lse)`` with ``return_lse``. Under autocast both inputs are cast to the
     autocast dtype first, as ``nn.Linear`` would.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or labels.dim() != 1:
-        raise ValueError(
-            f"fused_linear_cross_entropy wants hidden [N, H], weight [V, H], labels [N]; got "
-            f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}"
-        )
-    h_f = 0 if frozen_weight is None else frozen_weight.shape[1]
-    if (hidden.shape[1] != h_f + weight.shape[1] or hidden.shape[0] != labels.shape[0]
-            or (frozen_weight is not None and (frozen_weight.dim() != 2 or frozen_weight.shape[0] != weight.shape[0]))):
-        frozen = "" if frozen_weight is None else f", frozen_weight {tuple(frozen_weight.shape)}"
-        raise ValueError(
-            f"fused_linear_cross_entropy: shapes do not match: hidden {tuple(hidden.shape)}, weight "
-            f"{tuple(weight.shape)}{frozen}, labels {tuple(labels.shape)}"
-        )
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"fused_linear_cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= float(label_smoothing) <= 1.0:
-        raise ValueError(f"fused_linear_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"fused_linear_cross_entropy: softcap must be > 0 or None, got {softcap!r}")
-    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-        raise ValueError(f"fused_linear_cross_entropy: labels must be integers, got {labels.dtype}")
+    _check_arguments(hidden, weight, labels, frozen_weight, reduction, label_smoothing, softcap)
     backend = backend or default_backend(hidden.device)
     if backend not in BACKENDS:
         raise ValueError(f"fused_linear_cross_entropy: backend must be one of {BACKENDS} or None, got {backend!r}")
     labels = labels.long()
     if backend == "torch":
         check_labels(labels, weight.shape[0], ignore_index)
-    dev = hidden.device.type
-    if torch.is_autocast_enabled(dev):
-        dtype = torch.get_autocast_dtype(dev)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        frozen_weight = None if frozen_weight is None else frozen_weight.to(dtype)
-    if hidden.dtype != weight.dtype or (frozen_weight is not None and frozen_weight.dtype != weight.dtype):
-        raise TypeError(
-            f"fused_linear_cross_entropy: hidden is {hidden.dtype} but weight is {weight.dtype}"
-            f"{'' if frozen_weight is None else f' and frozen_weight {frozen_weight.dtype}'} (outside autocast). "
-            "Cast one of them, as nn.Linear would require."
-        )
+    hidden, weight, frozen_weight = _operands(hidden, weight, frozen_weight)
     kw = {"ignore_index": ignore_index, "reduction": reduction, "label_smoothing": float(label_smoothing),
           "softcap": softcap, "return_lse": return_lse, "frozen_weight": frozen_weight}
     if backend == "torch":
