@@ -21,10 +21,8 @@ training without labels that is said once (the Trainer pops them for ``label_smo
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,42 +30,8 @@ from torch import nn
 
 from . import announce, families, fp32_limbs
 from ._log import info_rank0
-from .config import LigerFsdpConfig
+from .forward_state import ForwardState, Request, original_forwards, pending, state_of  # noqa: F401  (the callers')
 from .losses import IGNORE_INDEX, HeadLoss
-
-
-@dataclass
-class Request:
-    """One pending :func:`token_logps` call: its labels, whether the logit sums are wanted, the trainer's step."""
-
-    labels: torch.Tensor
-    sums: bool = True
-    step: int | None = None
-    shifted: bool = False  # labels already give each position's target (v1's sequence-parallel shards)
-
-
-class ForwardState:
-    """Per-model state of the fused forward: the training forwards so far (the first one logs the engaged line),
-    whether the guard is still to run, a pending log-probs request (:func:`token_logps`), and ``label_smoothing``:
-    when set (> 0), the loss is transformers' ``LabelSmoother(eps)(outputs, labels, shift_labels=True)`` computed by
-    the kernel -- for a caller that passes the labels instead of letting the Trainer pop them (the Trainer's own
-    smoother is then off)."""
-
-    def __init__(self, config: LigerFsdpConfig, request_only: bool = False):
-        self.config = config
-        self.steps = 0  # training forwards with labels so far (log-probs forwards count once, for the line)
-        self.guard = config.guard  # still to run (it defers itself while no rank has a labelled position)
-        self.start_step, self.grad_accum = config.start_step, max(1, config.grad_accum)
-        self.label_smoothing = 0.0
-        self.said_no_labels = False
-        self.request: Request | None = None  # set by token_logps() for exactly one call
-        self.request_only = request_only  # v1: training calls with labels but no request run the original forward
-        self.reference = False  # the guard's original side: every call runs the original forward
-
-    @property
-    def global_step(self) -> int:
-        """The optimizer step the current forward belongs to, as the Trainer counts (a resume included)."""
-        return self.start_step + (self.steps - 1) // self.grad_accum + 1
 
 
 NO_LABELS = ("[liger_fsdp] training forward without labels: the fused path is bypassed for it and the model computes "
@@ -80,20 +44,6 @@ OUTSIDE_REQUEST = ("[liger_fsdp] a training forward outside the trainer's log-pr
                    "full logits for it, as without the plugin (correct, without the memory saving).")
 
 
-def state_of(causal_lm: nn.Module) -> ForwardState | None:
-    """The fused forward's state of an engaged causal LM (None when it is not engaged)."""
-    return getattr(causal_lm.__dict__.get("forward"), "liger_fsdp_state", None)
-
-
-@contextlib.contextmanager
-def _pending(state: ForwardState, request: Request):
-    state.request = request
-    try:
-        yield
-    finally:
-        state.request = None
-
-
 def token_logps(model: nn.Module, causal_lm: nn.Module, inputs: dict, labels: torch.Tensor, *, sums: bool = True,
                 step: int | None = None, shifted: bool = False):
     """The preference stages' and v1's call: ``model(**inputs)`` (the whole wrapped model, so FSDP / DeepSpeed run
@@ -102,7 +52,7 @@ def token_logps(model: nn.Module, causal_lm: nn.Module, inputs: dict, labels: to
     vocabulary size). ``step`` is the trainer's optimizer step (the guard's messages). ``shifted``: ``labels`` are
     each position's own target (log-probs ``[B, T]``, see :meth:`.losses.HeadLoss.token_logps`)."""
     state = state_of(causal_lm)
-    with _pending(state, Request(labels, sums, step, shifted)):
+    with pending(state, Request(labels, sums, step, shifted)):
         out = model(**inputs, return_dict=True, use_cache=False)
     logps, sums = fp32_limbs.unpack(out)
     return logps, sums, out.vocab_size
@@ -236,17 +186,3 @@ def make_forward(causal_lm: nn.Module, seam: HeadLoss, state: ForwardState):
 
     forward.liger_fsdp_state = state
     return forward
-
-
-@contextlib.contextmanager
-def original_forwards(*causal_lms: nn.Module):
-    """For its duration the engaged ``causal_lms`` run their own forward (the guard's original side)."""
-    states = {id(s): s for s in (state_of(m) for m in causal_lms) if s is not None}
-    before = {k: s.reference for k, s in states.items()}
-    for s in states.values():
-        s.reference = True
-    try:
-        yield
-    finally:
-        for k, s in states.items():
-            s.reference = before[k]

@@ -39,6 +39,7 @@ import torch
 from . import guard_slice, versions
 from ._log import info_rank0, rank
 from .config import LigerFsdpConfigError, LigerFsdpDataError
+from .forward_state import original_forwards, state_of
 from .fp32_head import HeadCalls
 from .guard_slice import BUDGET  # noqa: F401  (the slice's size, read by tests)
 from .losses import IGNORE_INDEX
@@ -124,11 +125,9 @@ def _worst(pairs: dict, rtol: float, atol: float) -> tuple[bool, str, float, flo
 
 @contextlib.contextmanager
 def _original_side(causal_lm, models):
-    from . import forward
-
     with contextlib.ExitStack() as stack:
         calls = [stack.enter_context(HeadCalls(m)) for m in (causal_lm, *[m for m in models if m is not causal_lm])]
-        stack.enter_context(forward.original_forwards(causal_lm, *models))
+        stack.enter_context(original_forwards(causal_lm, *models))
         yield calls
 
 
@@ -229,8 +228,6 @@ def first_call(causal_lm, family, check: Check, batch: dict, labels: torch.Tenso
                pairs: bool = False) -> None:
     """A replaced trainer method's call: held against the original (:func:`hold`) on the policy's first training
     call with gradients while the guard is on (not a reference or KL pass, not eval)."""
-    from .forward import state_of
-
     state = state_of(causal_lm)
     if state is None or not state.guard or not (causal_lm.training and torch.is_grad_enabled()):
         return
