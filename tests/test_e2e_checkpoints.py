@@ -3,7 +3,7 @@ losses with `liger_fsdp: true` are the plain run's; and nothing is lost: checkpo
 (One module, so the plain and the plugin's FSDP2 runs, each ~40 s, serve both.)
 
 FSDP1 checkpoints are not covered: on CPU/gloo FSDP1 + PEFT modules_to_save cannot write any checkpoint
-(PEFT's save_pretrained issues a collective on rank 0 only; see tests/cpu_fsdp_shim), with or
+(PEFT's save_pretrained issues a collective on rank 0 only; see llamafactory_liger_fsdp/testing/cpu_fsdp_shim), with or
 without the plugin.
 
 Every comparison is fp32 and relative: per-step losses against the plain run rel <= 1e-4, a resumed run against the

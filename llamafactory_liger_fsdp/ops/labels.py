@@ -4,7 +4,7 @@ Before its first GEMM the loss needs: whether a label lies outside ``[0, V)`` (a
 labelled (buffer sizes, the path), which they are, and for the target term of the gradient the labels sorted with
 their distinct values (sizes again) and, per vocabulary slab, where those values start. Each size read separately is
 a host sync, and at the start of a call the GPU idles through all of them (H200, 16k x 4096 x 128k:
-``bench/results/h200_start_cost.json``). :func:`scan_labels` computes them all on the device and reads the sizes with
+``bench/results/archive/h200_start_cost.json``). :func:`scan_labels` computes them all on the device and reads the sizes with
 one ``tolist()``; everything after that is shaped by ``nonzero_static`` and never waits for the GPU.
 """
 
