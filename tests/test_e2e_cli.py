@@ -1,7 +1,8 @@
 """Real `llamafactory-cli train` runs on a tiny local model, tokenizer and dataset (CPU).
 
 2 ranks with FORCE_TORCHRUN=1 under FSDP2 in bf16 (accelerate forced to FSDP on CPU by the test-only shim in
-llamafactory_liger_fsdp/testing/cpu_fsdp_shim), one process for LoRA on the head, refusals before any rank starts, the off switch and the
+llamafactory_liger_fsdp/testing/cpu_fsdp_shim), one process for LoRA on the head, refusals before any rank starts,
+the off switch and the
 `train` command without the .pth hook. With `liger_fsdp: true` the per-step losses equal those of the same run without
 the flag. The fp32 FSDP2 / FSDP1 parity runs on 2 ranks: tests/test_e2e_checkpoints.py (they share its runs)."""
 
