@@ -57,32 +57,36 @@ def info_rank0(message: str) -> None:
 #: What a launching process already said, for the ranks it starts (comma-separated keys); each rank's run takes it
 #: out of its own environment (:func:`new_run`).
 SAID_ENV = "LLAMAFACTORY_LIGER_FSDP_SAID"
-_SAID: set[str] = set()
+_SAID: set[str] = set()  # said by this run in this process
+_HANDED: set[str] = set()  # said by the launcher that started this process (its ranks are the same run)
 
 
 def new_run() -> None:
-    """A run starts in this process: nothing said yet, except what the launcher that started it said."""
+    """A run starts in this process: nothing said yet, except what the launcher that started it said (taken out of
+    the environment, so no process this one starts inherits it)."""
     _SAID.clear()
-    _SAID.update(k for k in os.environ.pop(SAID_ENV, "").split(",") if k)
+    _HANDED.clear()
+    _HANDED.update(k for k in os.environ.pop(SAID_ENV, "").split(",") if k)
 
 
 def say_once(key: str, line: str | None) -> None:
     """Log ``line`` on rank 0 once per run (``key`` names it; the launcher and its ranks are one run)."""
-    if line and key not in _SAID:
+    if line and key not in _SAID and key not in _HANDED:
         _SAID.add(key)
         info_rank0(line)
 
 
 @contextlib.contextmanager
 def handed_on():
-    """Inside, the processes a launcher starts see what it said (:data:`SAID_ENV`); the launcher's own environment
-    is left as it was afterwards."""
+    """Inside, the processes a launcher starts see what it said (:data:`SAID_ENV`); afterwards the launcher's own
+    environment is as it was, and a later run in this process says its lines again."""
     saved = os.environ.get(SAID_ENV)
     if _SAID:
-        os.environ[SAID_ENV] = ",".join(sorted(_SAID))
+        os.environ[SAID_ENV] = ",".join(sorted(_SAID | _HANDED))
     try:
         yield
     finally:
+        _HANDED.clear()
         if saved is None:
             os.environ.pop(SAID_ENV, None)
         else:

@@ -23,19 +23,23 @@ def _log_disabled(ours: dict) -> None:
 
 
 # --------------------------------------------------------------------------- the parser
-def config_from_args(raw: Any) -> tuple[Any, config.LigerFsdpConfig]:
+def config_from_args(raw: Any, say: bool = True) -> tuple[Any, config.LigerFsdpConfig]:
     """The raw arguments without our keys, and our validated config (off when disabled by the env; misspelled
-    keys are an error either way)."""
+    keys are an error either way); ``say``: the run's once-said lines about the keys."""
     rest, ours = config.split(raw)
-    say_once(SAID_NO_EFFECT, config.no_effect_line(ours))
+    if say:
+        say_once(SAID_NO_EFFECT, config.no_effect_line(ours))
     if config.disabled_by_env():
         config.check_names(ours)
-        _log_disabled(ours)
+        if say:
+            _log_disabled(ours)
         return rest, config.LigerFsdpConfig()
     return rest, config.from_mapping(ours)
 
 
-_PARSED = {"enabled": False}  # whether the arguments get_train_args is parsing turn the plugin on (set by _parse_args)
+#: Set by _parse_args: whether the arguments get_train_args is parsing turn the plugin on; set by get_train_args:
+#: whether a parse is its own (another parse, get_ray_args' first, says nothing).
+_PARSED = {"enabled": False, "training": False}
 
 
 def patch_parser(parser_module: Any) -> None:
@@ -44,7 +48,7 @@ def patch_parser(parser_module: Any) -> None:
 
     def make(original):
         def _parse_args(parser, args=None, allow_extra_keys=False):
-            rest, cfg = config_from_args(read_args(args))
+            rest, cfg = config_from_args(read_args(args), say=_PARSED["training"])
             _PARSED["enabled"] = cfg.enabled
             result = original(parser, rest, allow_extra_keys=allow_extra_keys)
             parsed = thirdparty.parsed_args(result)
@@ -75,10 +79,11 @@ def patch_parser(parser_module: Any) -> None:
             if last is not None:  # with the plugin on (known once _parse_args ran), auto-resume skips half-written ones
                 skipping = resume.skip_incomplete(last)
                 parser_module.get_last_checkpoint = lambda folder: (skipping if _PARSED["enabled"] else last)(folder)
-            _PARSED["enabled"] = False
+            _PARSED.update(enabled=False, training=True)
             try:
                 result = original(args)
             finally:
+                _PARSED["training"] = False
                 if last is not None:
                     parser_module.get_last_checkpoint = last
             parsed = thirdparty.parsed_args(result)
