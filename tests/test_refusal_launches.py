@@ -66,3 +66,17 @@ def test_typo_under_accelerate_launch_is_one_message_last(assets, tmp_path):
                     "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "llamafactory.launcher", str(path)],
                    tmp_path, CUDA_VISIBLE_DEVICES="")
     _refused_once_and_last(rc, log, "[liger_fsdp] error: Unknown key(s) `liger_fsdp_gaurd`")
+
+
+def test_typo_in_torchrun_ranks_is_one_line_not_a_traceback_per_rank(assets, tmp_path):
+    """Ranks started by torchrun itself (no launcher to check first): rank 0 says the refusal once, no rank prints its
+    traceback (torchrun's own failure summary follows; it is not the plugin's)."""
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(base_yaml(assets, tmp_path / "out", liger_fsdp=True, liger_fsdp_gaurd=True)))
+    import llamafactory.launcher
+
+    rc, log = _run([str(BIN / "torchrun"), "--nproc_per_node", "2", llamafactory.launcher.__file__, str(path)],
+                   tmp_path, CUDA_VISIBLE_DEVICES="")
+    assert rc != 0
+    assert log.count("[liger_fsdp] error: Unknown key(s) `liger_fsdp_gaurd`") == 1, log[-4000:]
+    assert "LigerFsdpConfigError" not in log and "[rank0]: Traceback" not in log, log[-4000:]

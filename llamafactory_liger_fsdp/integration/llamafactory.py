@@ -48,7 +48,8 @@ def patch_parser(parser_module: Any) -> None:
 
     def make(original):
         def _parse_args(parser, args=None, allow_extra_keys=False):
-            rest, cfg = config_from_args(read_args(args), say=_PARSED["training"])
+            with _log.one_message_per_run():
+                rest, cfg = config_from_args(read_args(args), say=_PARSED["training"])
             _PARSED["enabled"] = cfg.enabled
             result = original(parser, rest, allow_extra_keys=allow_extra_keys)
             parsed = thirdparty.parsed_args(result)
