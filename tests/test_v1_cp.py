@@ -1,19 +1,21 @@
 """LLaMA-Factory v1's Ulysses sequence parallelism with the plugin, on CPU ranks (the flash-attention and gloo
 stand-ins of ``llamafactory_liger_fsdp.testing.cpu_ulysses``; the all-to-all, padding and split are v1's own).
 
-v1 SFT, LoRA + ``modules_to_save: [lm_head]``, FSDP2, fp32, ``lora_dropout: 0``, ``cutoff_len: 127`` (v1 pads to 128
-for cp 2): cp_size 2 with the plugin against cp_size 1 with the plugin (one rank) and against v1's own CP loss (logits):
-per-step losses, the saved head and the saved adapter as a whole within 1e-5, each adapter tensor within 1e-4 (after
-three AdamW steps one LoRA tensor reached 1.3e-5 between v1's own cp 2 and cp 1 runs on git main's stack). Each run
-also shows that every rank received half of every sequence, that labelled targets crossed the shard boundary, and
-(the plugin's) that the head was computed through its own FSDP unit and the guard held v1's own CP loss against it;
-a 1% error injected into the plugin's CP loss is stopped at step 1. The refusals of what stays out of reach are in
-the fast tier.
+v1 SFT, LoRA + ``modules_to_save: [lm_head]``, FSDP2, fp32, ``lora_dropout: 0``, ``cutoff_len: 127`` (v1 pads every
+row to a multiple of cp_size), 4 rows a step: cp_size 2 (2 ranks, 2 micro-batches a step), data parallel 2 x cp_size 2
+and cp_size 4 (4 ranks) with the plugin against cp_size 1 with the plugin (one rank), and cp_size 2 against v1's own CP
+loss (logits): per-step losses, the saved head and the saved adapter as a whole within 1e-5, each adapter tensor within
+1e-4 (after three AdamW steps one LoRA tensor reached 1.3e-5 between v1's own cp 2 and cp 1 runs on git main's stack).
+Each run also shows that every rank received its part of every sequence, that labelled targets crossed the shard
+boundaries, and (the plugin's) that the head was computed through its own FSDP unit and the guard held v1's own CP
+loss against it; a 1% error injected into the plugin's CP loss is stopped at step 1. The refusals of what stays out of
+reach are in the fast tier.
 """
 
 import dataclasses
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -56,35 +58,52 @@ def long_answers(assets, base) -> str:
     return str(data)
 
 
-def cp2_yaml(assets, out, data, plugin=True) -> dict:
-    cfg = v1_yaml(assets, out, "mts", plugin=plugin, cutoff_len=CUTOFF, train_dataset=data,
-                  flash_attn="flash_attention_2", **cp_keys(2))
+def cp_yaml(assets, out, data, size: int, plugin: bool = True, **overrides) -> dict:
+    """A v1 SFT yaml at ``cp_size: size`` (1: no CP keys, the default attention)."""
+    extra = dict(cp_keys(size), flash_attn="flash_attention_2") if size > 1 else {}
+    cfg = v1_yaml(assets, out, "mts", plugin=plugin, cutoff_len=CUTOFF, train_dataset=data, **extra, **overrides)
     cfg["peft_config"]["lora_dropout"] = 0.0
     return cfg
 
 
+def four_kv_heads(assets, base) -> str:
+    """The tiny model with 4 key-value heads (v1's Ulysses splits them across up to 4 CP ranks), its own weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = base / "model_kv4"
+    shutil.copytree(assets / "model", model)
+    config = AutoConfig.from_pretrained(model)
+    config.num_key_value_heads = 4
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model)
+    return str(model)
+
+
+#: name -> (ranks, cp_size, plugin): one reference for every layout (global batch 4 rows a step, every row cut to
+#: CUTOFF, so each step trains the same rows whether they sit on 1 rank in 2 micro-batches or on 2 data-parallel ranks)
+RUNS = {"cp1_plugin": (1, 1, True), "cp2_plugin": (2, 2, True), "cp2_v1": (2, 2, False),
+        "dp2_cp2_plugin": (4, 2, True), "cp4_plugin": (4, 4, True)}
+
+
 @pytest.fixture(scope="module")
 def runs(assets, tmp_path_factory):
-    """Three launches shared by the tests: cp 1 with the plugin (one rank), cp 2 with it and without it."""
+    """The launches shared by the tests (:data:`RUNS`)."""
     base = tmp_path_factory.mktemp("v1_cp")
-    data, found = long_answers(assets, base), {}
-    for name, size, plugin in (("cp1_plugin", 1, True), ("cp2_plugin", 2, True), ("cp2_v1", 2, False)):
+    data, model, found = long_answers(assets, base), four_kv_heads(assets, base), {}
+    for name, (ranks, size, plugin) in RUNS.items():
         out = base / name
-        if size > 1:
-            cfg = cp2_yaml(assets, out, data, plugin)
-        else:
-            cfg = v1_yaml(assets, out, "mts", cutoff_len=CUTOFF, train_dataset=data)
-            cfg["peft_config"]["lora_dropout"] = 0.0
-        rc, log = run_v1(cfg, nproc=size, shims=(ULYSSES,))
+        cfg = cp_yaml(assets, out, data, size, plugin, model=model, global_batch_size=4)
+        rc, log = run_v1(cfg, nproc=ranks, shims=(ULYSSES,))
         assert rc == 0, log[-6000:]
         found[name] = (log, losses(out), weights(out))
     return found
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reference", ["cp1_plugin", "cp2_v1"])
-def test_cp2_fused_loss_trains_as_reference(runs, reference):
-    log, fused_losses, fused_w = runs["cp2_plugin"]
+@pytest.mark.parametrize("run, reference", [("cp2_plugin", "cp1_plugin"), ("cp2_plugin", "cp2_v1"),
+                                            ("dp2_cp2_plugin", "cp1_plugin"), ("cp4_plugin", "cp1_plugin")])
+def test_fused_cp_loss_trains_as_reference(runs, run, reference):
+    log, fused_losses, fused_w = runs[run]
     _, ref_losses, ref_w = runs[reference]
     assert len(ref_losses) == 3 and all(rel(a, b) < 1e-5 for a, b in zip(fused_losses, ref_losses)), \
         (fused_losses, ref_losses)
@@ -94,21 +113,22 @@ def test_cp2_fused_loss_trains_as_reference(runs, reference):
     assert rel(torch.cat([fused_w[k].flatten() for k in names]), torch.cat([ref_w[k].flatten() for k in names])) < 1e-5
     for name in names:  # AdamW divides each element by its own running norm: see test_v1_dist.py
         assert rel(fused_w[name], ref_w[name]) < 1e-4, name
-    assert "[liger_fsdp] v1 sequence parallelism (Ulysses, cp_size 2)" in log, log[-6000:]
+    size = RUNS[run][1]
+    assert f"[liger_fsdp] v1 sequence parallelism (Ulysses, cp_size {size})" in log, log[-6000:]
     assert "[liger_fsdp] guard: step 1 exact: LLaMA-Factory's sequence_parallel_loss" in log, log[-6000:]
     assert log.count("[liger_fsdp] engaged:") == 1 and "sharding=FSDP2" in log and HEAD_UNIT in log, log[-6000:]
     assert "[liger_fsdp] engaged:" not in runs["cp2_v1"][0]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["cp2_plugin", "cp2_v1"])
-def test_each_rank_received_half_of_every_sequence(runs, name):
-    log = runs[name][0]
+@pytest.mark.parametrize("name", ["cp2_plugin", "cp2_v1", "dp2_cp2_plugin", "cp4_plugin"])
+def test_each_rank_received_its_part_of_every_sequence(runs, name):
+    log, size = runs[name][0], RUNS[name][1]
     seen = SPLIT.findall(log)
     assert seen and len(seen) == log.count("[cpu_ulysses]"), log[-6000:]
     for rank, cp, b, t, b_local, t_local, _ in seen:
-        assert cp == "2" and b == b_local and int(t_local) == (int(t) + 1) // 2, (rank, t, t_local)
-    assert {rank for rank, *_ in seen} == {"0", "1"}
+        assert int(cp) == size and b == b_local and int(t_local) == -(-int(t) // size), (rank, t, t_local)
+    assert {int(rank) for rank, *_ in seen} == set(range(size))
     assert any(t == str(CUTOFF) for _, _, _, t, *_ in seen)  # padded by v1 to a multiple of cp_size
     assert sum(int(n) for *_, n in seen) > 0  # a shard's last position predicted the next shard's first label
 
@@ -118,7 +138,7 @@ def test_guard_stops_a_one_percent_error_in_the_cp_loss(assets, tmp_path):
     """tests/cp_inject/sitecustomize.py multiplies the plugin's CP loss by 1.01 in every rank: step 1 stops on every
     rank with both numbers, the key and the fix."""
     out = tmp_path / "inject"
-    rc, log = run_v1(cp2_yaml(assets, out, long_answers(assets, tmp_path)), shims=(INJECT, ULYSSES))
+    rc, log = run_v1(cp_yaml(assets, out, long_answers(assets, tmp_path), 2), shims=(INJECT, ULYSSES))
     assert rc != 0 and "[cp_inject] the plugin's CP loss x 1.01" in log, log[-6000:]
     found = re.findall(r"`liger_fsdp_guard`: on step 1 the plugin's replacement of LLaMA-Factory's "
                        r"sequence_parallel_loss does not give what LLaMA-Factory's own gives .*?rank (\d): "

@@ -5,7 +5,9 @@ ranks. :func:`install` (called by ``cpu_ulysses_shim/sitecustomize.py``, which t
 * flash-attention's kernels, as transformers' lazy import returns them for ``flash_attention_2``
   (``flash_attn_func`` / ``flash_attn_varlen_func``), by plain scaled-dot-product attention (per segment for varlen);
 * the ``flash_attention_2`` availability checks (installed package, GPU device), so v1 may load the model with it;
-* ``torch.distributed.all_to_all`` (list form, which gloo lacks) on gloo groups by ``all_to_all_single``;
+* ``torch.distributed.all_to_all`` (list form, which gloo lacks) on gloo groups by ``all_to_all_single``, and the
+  backward of ``torch.distributed.nn.all_gather`` on gloo (torch emulates its reduce-scatter by scatters from global
+  ranks ``0..n-1``, which fails in a subgroup without rank 0: data parallel x CP) by that all-to-all and a sum;
 * ``dist.get_rank()`` inside v1's ``sequence_parallel`` module (its loss moves the inputs to that CUDA index) by
   the CPU device;
 * transformers' ``flash_attention_forward`` calling ``s_aux.to()`` on None (transformers 5.6; 5.8 checks).
@@ -111,6 +113,19 @@ def _patch_all_to_all() -> None:
         return None
 
     dist.all_to_all = all_to_all
+
+    from torch.distributed.nn import functional as autograd_fn
+
+    gather_backward = autograd_fn._AllGather.backward
+
+    def backward(ctx, *grad_outputs):  # gloo: torch's AlltoAll stand-in scatters from global ranks 0..n-1
+        if dist.get_backend(group=ctx.group) != "gloo":
+            return gather_backward(ctx, *grad_outputs)
+        received = [torch.empty_like(g) for g in grad_outputs]
+        all_to_all(received, [g.contiguous() for g in grad_outputs], group=ctx.group)
+        return None, torch.stack(received).sum(0)
+
+    autograd_fn._AllGather.backward = staticmethod(backward)
 
 
 class _CpuRankDist:
