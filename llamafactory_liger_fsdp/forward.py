@@ -109,11 +109,10 @@ class FusedForward:
     def _guard(self, params: dict, extra: dict, labels) -> None:
         """SFT / pt, first step with labels on some rank: the model's own ``forward(...).loss`` against the fused one
         (and, when the kernel smooths, transformers' ``LabelSmoother`` on the model's logits against it)."""
-        from . import guard
+        from . import guard, guard_slice
 
         extra = {k: v for k, v in extra.items() if k != "num_items_in_batch"}
         batch = {**params, **extra, "labels": labels}
-
         eps = self.state.label_smoothing
 
         def theirs(small: dict):
@@ -134,8 +133,17 @@ class FusedForward:
             names = ("loss", "label-smoothed loss (the Trainer's LabelSmoother)")
             return {name: pair for name, pair in zip(names, zip(a, b))}
 
-        check = guard.Check("the model's forward", theirs, ours, compare, loss_line=True)
         given = extra.get("shift_labels")
+        key = "labels" if given is None else "shift_labels"
+
+        def windowed(piece):  # images, too large to run whole: the model's head input cut to the window
+            own, masked = guard_slice.window_labels(batch[key], piece, shifted=given is not None)
+            extra_ = {} if given is None else {"labels": guard_slice.window_labels(labels, piece, False)[0]}
+            return (lambda small: (self.run_original(**{**small, key: own, **extra_}).loss,),
+                    lambda small: ours({**small, key: masked})[:1])
+
+        check = guard.Check("the model's forward", theirs, ours, compare, loss_line=True,
+                            windowed=None if eps else windowed)
         self.state.guard = False
         self.state.guard = not guard.hold(check, self.causal_lm, self.family, batch,
                                           labels if given is None else given, step=self.state.global_step,

@@ -82,10 +82,11 @@ def _linear_fp32(x, weight, bias=None):
 class HeadCalls:
     """For its duration every call of ``causal_lm``'s output embedding runs under :class:`Fp32Head`; counts the calls
     and keeps the first call's input dtype (what the guard's bound depends on). Zero calls: the forward computed its
-    logits without calling the output embedding as a module, in its own precision."""
+    logits without calling the output embedding as a module, in its own precision. With ``window`` each call's input
+    is cut to those rows and positions first."""
 
-    def __init__(self, causal_lm: torch.nn.Module):
-        self.head = causal_lm.get_output_embeddings()
+    def __init__(self, causal_lm: torch.nn.Module, window: tuple | None = None):
+        self.head, self.window = causal_lm.get_output_embeddings(), window  # (rows or None, start, end)
         self.calls, self.dtype, self._depth, self._mode, self._handles = 0, None, 0, None, []
 
     def _enter(self, module, args):
@@ -96,6 +97,10 @@ class HeadCalls:
             self._mode = Fp32Head()
             self._mode.__enter__()
         self._depth += 1
+        if self.window is not None and self._depth == 1:  # the head's input cut to the window: logits for it only
+            rows, start, end = self.window
+            return (args[0][slice(None) if rows is None else rows][:, start:end], *args[1:])
+        return None
 
     def _leave(self, *_):
         if self._depth:

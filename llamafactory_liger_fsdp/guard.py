@@ -67,6 +67,7 @@ class Check:
     compare: Callable[[Any, Any], dict]  # name -> (original's tensor, ours)
     models: tuple = ()  # engaged causal LMs whose forwards must run their original during the original side
     loss_line: bool = False  # SFT: say "model's own loss" / "fused loss"
+    windowed: Callable[[Any], tuple] | None = None  # a batch too large to run whole: (original, ours) for a window
 
 
 class _Rng:
@@ -124,9 +125,10 @@ def _worst(pairs: dict, rtol: float, atol: float) -> tuple[bool, str, float, flo
 
 
 @contextlib.contextmanager
-def _original_side(causal_lm, models):
+def _original_side(causal_lm, models, window=None):
     with contextlib.ExitStack() as stack:
-        calls = [stack.enter_context(HeadCalls(m)) for m in (causal_lm, *[m for m in models if m is not causal_lm])]
+        calls = [stack.enter_context(HeadCalls(m, window)) for m in
+                 (causal_lm, *[m for m in models if m is not causal_lm])]
         stack.enter_context(original_forwards(causal_lm, *models))
         yield calls
 
@@ -163,19 +165,23 @@ def hold(check: Check, causal_lm, family, batch: dict, labels: torch.Tensor, *, 
         )
     if not any_labels:
         return False
+    original, replacement, window = check.original, check.ours, None
     if any_too_big:
-        _unchecked(step, check.what, f"a batch with image inputs cannot be cut, and its fp32 logits would exceed "
-                                     f"{guard_slice.LOGITS_BUDGET / 2**30:.0f} GiB")
-        return True
+        if check.windowed is None:
+            _unchecked(step, check.what, f"a batch with image inputs cannot be cut, and its fp32 logits would exceed "
+                                         f"{guard_slice.LOGITS_BUDGET / 2**30:.0f} GiB")
+            return True
+        original, replacement = check.windowed(piece)
+        window = (piece.rows, piece.start, piece.end)
     b, t = labels.shape
     small = guard_slice.cut(batch, piece, b, t)
     rng = _Rng()
     try:
         with torch.no_grad():
-            with _original_side(causal_lm, check.models) as calls:
-                theirs = check.original(dict(small))
+            with _original_side(causal_lm, check.models, window) as calls:
+                theirs = original(dict(small))
             rng.restore()
-            ours = check.ours(dict(small))
+            ours = replacement(dict(small))
             pairs_out = check.compare(theirs, ours)
     except Exception as exc:  # not a mismatch: the same error, at once (no collective after it)
         if hasattr(exc, "add_note"):

@@ -7,7 +7,8 @@ ids, labels, v1's loss weights), so both sides see one shorter, valid batch and 
 Gemma 3's masked mean aligns its mask to the last positions of every row: there the last ``BUDGET // B`` positions of
 every row. A batch with other inputs (pixel values, grid sizes, (3, B, T) position ids) is not cut -- only the whole
 batch keeps images and image tokens consistent -- and is checked whole while its fp32 logits fit
-:data:`LOGITS_BUDGET`.
+:data:`LOGITS_BUDGET`; beyond it a check that can score a window of the whole batch (SFT: the output embedding's input
+cut to the window on the model's side, the labels outside it ignored on the fused side) does so.
 """
 
 from __future__ import annotations
@@ -61,18 +62,27 @@ def _targets(labels: torch.Tensor, shifted: bool, ignore_index: int) -> torch.Te
 
 def choose(batch: dict, labels: torch.Tensor, *, masked_mean: bool = False, pairs: bool = False,
            shifted: bool = False, ignore_index: int = IGNORE_INDEX, vocab: int = 0) -> tuple[Slice, bool]:
-    """(the slice, whether it is too large to run: a whole batch whose fp32 logits exceed the budget). ``pairs``:
-    rows ``i`` and ``i + B/2`` go together (chosen and rejected); ``shifted``: ``labels`` are already shifted
-    (``shift_labels``)."""
+    """(the slice, whether it is too large to run whole: a batch that cannot be cut whose fp32 logits exceed the
+    budget; its slice then names the window a check may still score on the whole batch). ``pairs``: rows ``i`` and
+    ``i + B/2`` go together (chosen and rejected); ``shifted``: ``labels`` are already shifted (``shift_labels``)."""
     b, t = labels.shape
     target = _targets(labels, shifted, ignore_index)
-    if not text_only(batch, b):
-        n = int(target.sum())
-        return Slice(None, 0, t, n, False, f"every row of {b} (decoder on the whole micro-batch)"), \
-            b * t * vocab * 4 > LOGITS_BUDGET
+    rows, start, end, n = _window(target, masked_mean, pairs, shifted)
+    where = "every row" if rows is None else f"row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))}"
+    if text_only(batch, b):
+        return Slice(rows, start, end, n, True, f"{where} of {b}"), False
+    if b * t * vocab * 4 <= LOGITS_BUDGET:
+        return Slice(None, 0, t, int(target.sum()), False, f"every row of {b} (decoder on the whole micro-batch)"), False
+    return Slice(rows, start, end, n, False, f"{where} of {b} (decoder on the whole micro-batch)"), True
+
+
+def _window(target: torch.Tensor, masked_mean: bool, pairs: bool, shifted: bool):
+    """(rows or None for every row, start, end, scored positions): up to BUDGET positions of the group of rows with
+    the most scored positions there, ending at its last one (Gemma 3's masked mean: the last positions of every row)."""
+    b, t = target.shape
     if masked_mean:
         k = min(t, max(2, BUDGET // b))
-        return Slice(None, t - k, t, int(target[:, t - k:].sum()), True, f"every row of {b}"), False
+        return None, t - k, t, int(target[:, t - k:].sum())
     groups = [[i, i + b // 2] for i in range(b // 2)] if pairs and b % 2 == 0 else [[i] for i in range(b)]
     past = 0 if shifted else 1  # an unshifted slice loses its last position's label to the shift
     best = (groups[0], 0, min(t, BUDGET), 0)
@@ -85,9 +95,20 @@ def choose(batch: dict, labels: torch.Tensor, *, masked_mean: bool = False, pair
         n = int(target[group, start:end].sum())
         if n > best[3]:
             best = (group, start, end, n)
-    group, start, end, n = best
-    rows = ", ".join(map(str, group))
-    return Slice(group, start, end, n, True, f"row{'s' if len(group) > 1 else ''} {rows} of {b}"), False
+    return best
+
+
+def window_labels(labels: torch.Tensor, piece: Slice, shifted: bool, ignore_index: int = IGNORE_INDEX):
+    """(the window's own labels ``[rows, start:end]``, full-size labels scoring the same positions and no others):
+    what the model's own forward takes with its head input cut to the window, and what the fused forward takes on
+    the whole batch."""
+    rows = slice(None) if piece.rows is None else piece.rows
+    own = labels[rows][:, piece.start:piece.end]
+    first = piece.start if shifted else piece.start + 1  # the window's first position predicts labels[start + 1]
+    masked = torch.full_like(labels, ignore_index)
+    index = torch.arange(labels.shape[0]) if piece.rows is None else torch.tensor(piece.rows)
+    masked[index.unsqueeze(1), torch.arange(first, piece.end).unsqueeze(0)] = labels[index][:, first:piece.end]
+    return own, masked
 
 
 def cut(batch: dict, piece: Slice, b: int, t: int) -> dict:

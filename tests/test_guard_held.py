@@ -82,14 +82,35 @@ def test_a_head_never_called_as_a_module_is_compared_in_its_own_precision(monkey
         cand(**make_batch())
 
 
+@pytest.mark.parametrize("name", ["qwen2_vl", "gemma3"])
+def test_an_image_batch_too_large_to_run_whole_is_checked_on_a_window(monkeypatch, capsys, name):
+    """Image inputs keep the batch whole; past the logits budget the model's own forward runs on the whole batch with
+    its head input cut to the window (the fused side ignores the labels outside it): exact, and 1% off stops."""
+    from llamafactory_liger_fsdp import losses
+
+    monkeypatch.setattr(guard_slice, "LOGITS_BUDGET", 1024)
+    _, cand = twin(name, "mts")
+    engage(cand, backend="torch")
+    cand(**make_inputs(name))
+    err = capsys.readouterr().err
+    assert EXACT in err and "(decoder on the whole micro-batch), positions" in err, err
+    honest = losses.HeadLoss.loss
+    monkeypatch.setattr(losses.HeadLoss, "loss", lambda self, *a, **k: honest(self, *a, **k) * 1.01)
+    _, cand = twin(name, "mts")
+    engage(cand, backend="torch")
+    with pytest.raises(LigerFsdpConfigError, match="model's own loss"):
+        cand(**make_inputs(name))
+
+
 @pytest.mark.parametrize("untested", [False, True])
-def test_a_batch_too_large_to_check(monkeypatch, capsys, untested):
-    """Image inputs keep the batch whole; past the logits budget nothing is compared: said once with tested
-    versions, a stop naming the cause, the versions and the fix with untested ones."""
+def test_a_batch_nothing_can_be_compared_on(monkeypatch, capsys, untested):
+    """Images, past the budget, and label smoothing (no window for the smoother): nothing is compared -- said once with
+    tested versions, a stop naming the cause, the versions and the fix with untested ones."""
     monkeypatch.setattr(versions, "untested", lambda *a, **k: UNTESTED if untested else [])
     monkeypatch.setattr(guard_slice, "LOGITS_BUDGET", 1024)
     _, cand = twin("qwen2_vl", "mts")
     engage(cand, backend="torch")
+    cand.base_model.model.forward.liger_fsdp_state.label_smoothing = 0.1
     if untested:
         with pytest.raises(LigerFsdpConfigError) as exc:
             cand(**make_inputs("qwen2_vl"))
