@@ -1,4 +1,4 @@
-"""Steps with no labelled token through real `llamafactory-cli train` runs (the silent failure of issue 18).
+"""Steps with no labelled token through real `llamafactory-cli train` runs.
 
 The realistic repro: `template: empty`, every second answer empty (`tiny_empty_answers`), batch size 1, LoRA +
 `additional_target: embed_tokens,lm_head`. The Trainer's loss there is `0 / 0` (NaN, logged as 0.0 by its NaN

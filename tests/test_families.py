@@ -1,4 +1,4 @@
-"""Every family of issue 12, one device, fp32, tiny config from transformers' own config class (random weights):
+"""Every family the plugin supports, one device, fp32, tiny config from transformers' own config class (random weights):
 loss and every trainable gradient of the engaged model equal the original forward's (rel <= 1e-5) for a
 modules_to_save head and a LoRA head, with the MoE aux loss on, images for the vision-language models, and a
 ``num_items_in_batch`` that differs from the label count (honoured or ignored as the model does). The step-1

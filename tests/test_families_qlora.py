@@ -1,4 +1,4 @@
-"""QLoRA (issue 12 item 4): a bitsandbytes 4-bit / 8-bit body with a trained, unquantized head (transformers
+"""QLoRA: a bitsandbytes 4-bit / 8-bit body with a trained, unquantized head (transformers
 keeps the output embedding out of quantization) is exact on one device (modules_to_save and LoRA heads) and under
 FSDP2 on 2 gloo ranks (4-bit with ``bnb_4bit_quant_storage`` fp32, as LLaMA-Factory's fsdp_qlora example sets
 it; this file is its own worker); a quantized head stays refused. Skipped where bitsandbytes is not installed (it

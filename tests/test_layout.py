@@ -1,4 +1,4 @@
-"""The package's shape, as issue "The house, third pass" fixed it: checked from the source (AST), no imports run.
+"""The package's shape, checked from the source (AST), no imports run.
 
 No import cycle among package modules (lazy imports inside functions counted), no module over 400 lines, no use of
 another module's ``_private`` name, the kernel named only by ``ops/`` and the loss seam, one ``def rel(`` and no
