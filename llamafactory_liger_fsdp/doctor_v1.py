@@ -59,8 +59,9 @@ def check_yaml(path: str, overrides: list[str]) -> tuple[bool, list[str]]:
         v1_args.top_level_keys(raw)
         cfg = check_kernel_config(raw.get(v1_args.KEY))
         if not cfg.enabled:
-            return True, lines + [f"plugin off (`{v1_args.KEY}.name` does not list `{v1_args.NAME}`): the run trains "
-                                  "without it."]
+            why = (v1_args.disabled_cause() if v1_args.NAME in v1_args.names(raw.get(v1_args.KEY)) else
+                   f"`{v1_args.KEY}.name` does not list `{v1_args.NAME}`")
+            return True, lines + [f"plugin off ({why}): the run trains without it."]
         v1_args.check(None, raw)
         decided = v1_args.decide_sharding(raw, os.environ)
         lines.append(f"liger_fsdp: on (backend {cfg.backend}); v1 trainers' log-probs from the fused kernel; "

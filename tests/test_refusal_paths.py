@@ -168,6 +168,14 @@ def test_v1_disabled_by_its_own_key_names_that_key(monkeypatch, capsys):
     assert config.DISABLE_ENV not in err
 
 
+def test_doctor_names_the_v1_key_that_turns_the_plugin_off(assets, monkeypatch, capsys):
+    pytest.importorskip("llamafactory.v1")
+    monkeypatch.setenv("LLAMAFACTORY_VERBOSITY", "WARN")
+    monkeypatch.delenv(config.DISABLE_ENV, raising=False)
+    assert doctor.main(["doctor", _v1_recipe(), f"model={assets / 'model'}", "kernel_config.liger_fsdp=false"]) == 0
+    assert "plugin off (`kernel_config.liger_fsdp: false`)" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------ point 6: accelerate launch, ranks' errors
 def test_accelerate_launch_command_is_hooked(tmp_path, base, capsys):
     """The accelerate CLI's launch command (patched by the import hook) checks the training script's arguments before
