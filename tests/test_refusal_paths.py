@@ -183,6 +183,7 @@ def test_accelerate_launch_command_is_hooked(tmp_path, base, capsys):
     from accelerate.commands import launch as accelerate_launch
 
     from llamafactory_liger_fsdp import _patch
+    from llamafactory_liger_fsdp.integration import launch
 
     assert getattr(accelerate_launch.launch_command, _patch.MARK, False)
     path = tmp_path / "typo.yaml"
@@ -194,6 +195,15 @@ def test_accelerate_launch_command_is_hooked(tmp_path, base, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("[liger_fsdp] error: Unknown key(s) `liger_fsdp_gaurd`"), err
     assert sum("error" in line for line in err) == 1, err
+    called = []
+    fake = SimpleNamespace(__name__="fake_accelerate_launch", launch_command=lambda args: called.append(args))
+    launch.patch_accelerate_launch(fake)
+    try:
+        for other in (["--lr", "0.1"], [str(tmp_path / "missing.yaml")], [str(tmp_path / "absent.json"), "x=1"]):
+            fake.launch_command(SimpleNamespace(training_script="train.py", training_script_args=other))
+    finally:
+        _patch.undo(fake, "launch_command")
+    assert len(called) == 3  # another script's arguments: accelerate goes on
 
 
 @pytest.mark.parametrize("rank", [0, 1])

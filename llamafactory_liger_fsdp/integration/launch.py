@@ -95,6 +95,9 @@ def patch_accelerate_launch(launch_module: Any) -> None:
             script_args = script_args[1:] if script_args[:1] == ["train"] else script_args  # llamafactory-cli's
             try:
                 raw = read_args(script_args)
+            except Exception:  # not arguments LLaMA-Factory reads (another script's): accelerate goes on as usual
+                raw = {}
+            try:
                 if _carries_our_keys(raw):
                     precheck(raw)
             except LigerFsdpConfigError as exc:
