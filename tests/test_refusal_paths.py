@@ -264,6 +264,28 @@ def test_second_v1_engage_holds_the_patches_until_the_last_disengages():
         v1._RUN["config"] = None
 
 
+def test_two_models_of_one_process_hold_the_default_engines_patches(base):
+    """Two FSDP2 adapter models engaged in one process: the class / module patches stay until the last one disengages
+    (the second engage used to get no undo and the first's disengage took them from under it)."""
+    from accelerate.utils import fsdp_utils
+
+    from llamafactory_liger_fsdp import _patch, engage
+    from llamafactory_liger_fsdp.integration.llamafactory import engage_model
+    from llamafactory_liger_fsdp.testing import make_model, make_peft
+
+    fsdp2 = dict(fsdp="full_shard auto_wrap", fsdp_config=dict(version=2, transformer_layer_cls_to_wrap="LlamaDecoderLayer"))
+    *_, finetuning_args, _ = _train_args(dict(base, liger_fsdp=True, **fsdp2))
+    cfg = config.get_config(finetuning_args)
+    original = fsdp_utils.fsdp2_prepare_auto_wrap_policy
+    models = [make_peft(make_model("llama"), "mts") for _ in range(2)]
+    for model in models:
+        assert engage_model(model, cfg, finetuning_args) is not None
+    engage.disengage(models[0])
+    assert getattr(fsdp_utils.fsdp2_prepare_auto_wrap_policy, _patch.MARK, False)
+    engage.disengage(models[1])
+    assert fsdp_utils.fsdp2_prepare_auto_wrap_policy is original
+
+
 # -------------------------------------------------------------------------------- point 8: tested means CI's stacks
 def _pins() -> dict[str, str]:
     pins = {}

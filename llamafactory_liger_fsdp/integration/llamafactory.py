@@ -194,7 +194,8 @@ def engage_model(model: Any, cfg: config.LigerFsdpConfig, finetuning_args: Any =
     """Engage the fused loss on a freshly loaded model and patch only what this run needs: checkpoints for an FSDP2
     adapter run (whether or not the loss engages), then, once engaged, the DeepSpeed ZeRO-3 dtype policy, the FSDP
     wrap policy, label smoothing and the preference trainer of this stage. Every side effect is recorded on the
-    engaged model and undone by :func:`..engage.disengage`."""
+    engaged model and undone by :func:`..engage.disengage`; a patch of a class or module is held by every model that
+    needs it (:func:`..engage.hold`) and undone when the last one disengages."""
     from .. import engage
     from . import accelerate, preference, trainer
 
@@ -203,20 +204,21 @@ def engage_model(model: Any, cfg: config.LigerFsdpConfig, finetuning_args: Any =
     undo = resume.use_full_state_dict(cfg.sharding, finetuning_args)  # checkpoints: whether or not the loss engages
     engage.record(model, [undo] if undo is not None else [])
     if kind == sharding.FSDP2 and getattr(finetuning_args, "finetuning_type", None) in resume.ADAPTER_FINETUNING:
-        engage.record(model, trainer.patch_checkpointing(cfg))
+        engage.hold(model, "checkpointing", lambda: trainer.patch_checkpointing(cfg))
     done = engage.engage(model, cfg, any_head=stage in refusals.PREFERENCE_STAGES)
     if done is None:
         return None
     if kind == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:
         engage.record(model, zero3_dtypes(model))
     if kind in (sharding.FSDP1, sharding.FSDP2):
-        engage.record(model, accelerate.patch_wrap_policy(cfg.sharding.fsdp_version))
+        version = cfg.sharding.fsdp_version
+        engage.hold(model, f"FSDP{version} wrap policy", lambda: accelerate.patch_wrap_policy(version))
     if kind == sharding.FSDP2:
-        engage.record(model, accelerate.patch_setup_memory())
+        engage.hold(model, "FSDP2 prepare_model", accelerate.patch_setup_memory)
     if cfg.label_smoothing:
-        engage.record(model, trainer.patch_label_smoothing())
+        engage.hold(model, "label smoothing", trainer.patch_label_smoothing)
     if stage in refusals.PREFERENCE_STAGES:
-        engage.record(model, preference.patch_stage(stage))
+        engage.hold(model, f"{stage} trainer", lambda: preference.patch_stage(stage))
     if liger:
         info_rank0("[liger_fsdp] enable_liger_kernel: Liger's fused linear cross entropy is bypassed for this model "
                    "(the plugin computes the loss); Liger's other kernels stay.")
