@@ -55,9 +55,10 @@ def check(command: str | None, values: Mapping, size: int) -> None:
             f"`{key}: {size}` with `dist_config.name: {dist}` and `{KEY}.name: {NAME}`: the plugin's sequence "
             f"parallelism is exact and tested under v1's FSDP2. Fix: `dist_config: {{name: fsdp2}}`, {FIX_REMOVE}.")
     micro = values.get("micro_batch_size")
-    if micro is not None and int(micro) == 1 and positions_from_one():
+    if (micro is None or int(micro) == 1) and positions_from_one():
+        default, found = " (v1's default)" if micro is None else "", versions.installed("llamafactory")
         raise LigerFsdpConfigError(
-            f"`micro_batch_size: 1` with `{key}: {size}` on LLaMA-Factory {versions.installed('llamafactory')}: its "
+            f"`micro_batch_size: 1`{default} with `{key}: {size}` on LLaMA-Factory {found}: its "
             f"v1 numbers positions from 1 and pads a sequence to a multiple of cp_size with position 0, so a one-row "
             f"micro-batch of a length that is not a multiple looks packed to transformers and trains another "
             f"objective, with or without `{NAME}`. Fix: `micro_batch_size: 2` or more, or a newer LLaMA-Factory.")

@@ -183,6 +183,9 @@ def test_micro_batch_1_refused_where_v1_numbers_positions_from_1(monkeypatch):
     with pytest.raises(LigerFsdpConfigError, match=r"`micro_batch_size: 1` with `dist_config.cp_size: 2` on "
                                                    r"LLaMA-Factory 0.9.5.*Fix: `micro_batch_size: 2`"):
         v1_args.check("sft", values)
+    values.pop("micro_batch_size")  # v1's default is 1
+    with pytest.raises(LigerFsdpConfigError, match=r"`micro_batch_size: 1` \(v1's default\) with"):
+        v1_args.check("sft", values)
     monkeypatch.setattr(v1_cp_args.versions, "installed",
                         lambda name: "0.9.6.dev0" if name == "llamafactory" else real(name))
     v1_args.check("sft", values)
