@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import v1_args
+from . import v1_args, v1_cp_args
 from .args import env_enabled
 from .config import LigerFsdpConfigError
 
@@ -67,6 +67,8 @@ def check_yaml(path: str, overrides: list[str]) -> tuple[bool, list[str]]:
         lines.append(f"liger_fsdp: on (backend {cfg.backend}); v1 trainers' log-probs from the fused kernel; "
                      f"first-step exactness guard {'on' if cfg.guard else 'off'}.")
         lines.append(f"sharding: {decided.label} (from {decided.source}).")
+        if v1_args.cp_size(raw) > 1:  # v1 sequence parallelism (v1_cp_args)
+            lines.append(v1_cp_args.doctor_line(raw, v1_args.cp_size(raw)))
         model_config = model_config_of(raw)
         if isinstance(model_config, Exception):
             lines.append(f"could not read the model's config here ({type(model_config).__name__}); its family is "

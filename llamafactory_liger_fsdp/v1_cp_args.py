@@ -62,3 +62,13 @@ def check(command: str | None, values: Mapping, size: int) -> None:
             f"v1 numbers positions from 1 and pads a sequence to a multiple of cp_size with position 0, so a one-row "
             f"micro-batch of a length that is not a multiple looks packed to transformers and trains another "
             f"objective, with or without `{NAME}`. Fix: `micro_batch_size: 2` or more, or a newer LLaMA-Factory.")
+
+
+def doctor_line(values: Mapping, size: int) -> str:
+    """What ``doctor`` says of a CP yaml the plugin takes."""
+    line = (f"sequence parallelism: Ulysses, cp_size {size}: v1's sequence_parallel_loss from the fused kernel on each "
+            f"rank's 1/{size} of every sequence (no [N/{size}, V] logits), held against v1's own on the first step.")
+    if values.get("flash_attn") != "flash_attention_2":
+        line += (" LLaMA-Factory needs `flash_attn: flash_attention_2` for cp_size > 1 (it stops before step 1 "
+                 "without it).")
+    return line

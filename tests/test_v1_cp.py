@@ -189,3 +189,17 @@ def test_micro_batch_1_refused_where_v1_numbers_positions_from_1(monkeypatch):
     monkeypatch.setattr(v1_cp_args.versions, "installed",
                         lambda name: "0.9.6.dev0" if name == "llamafactory" else real(name))
     v1_args.check("sft", values)
+
+
+def test_doctor_names_the_sequence_parallel_loss(assets, monkeypatch, capsys):
+    from llamafactory_liger_fsdp import doctor
+
+    monkeypatch.setenv("LLAMAFACTORY_VERBOSITY", "WARN")
+    recipe = str(ROOT / "recipes" / "tiny_cpu" / "v1_sft.yaml")
+    keys = [f"{k}={v}" for k, v in cp_keys(2).items() if k != "dist_config"] or ["dist_config.cp_size=2"]
+    assert doctor.main(["doctor", recipe, f"model={assets / 'model'}", *keys]) == 0
+    out = capsys.readouterr().out
+    assert "sequence parallelism: Ulysses, cp_size 2: v1's sequence_parallel_loss from the fused kernel" in out, out
+    assert "needs `flash_attn: flash_attention_2`" in out
+    assert doctor.main(["doctor", recipe, f"model={assets / 'model'}", *keys, "flash_attn=flash_attention_2"]) == 0
+    assert "needs `flash_attn" not in capsys.readouterr().out
