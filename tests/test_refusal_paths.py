@@ -139,6 +139,17 @@ def test_doctor_fails_on_a_list_the_installed_v1_cannot_take(assets, monkeypatch
     assert rc == (0 if v1.takes_list() else 1), out
 
 
+@pytest.mark.parametrize("kernel_config", ["{name: liger-fsdp}", "{name: liger_fsdp, guard: false}"])
+def test_v1_launcher_refuses_them_before_any_rank(tmp_path, kernel_config):
+    pytest.importorskip("llamafactory.v1")
+    from llamafactory_liger_fsdp.integration import v1
+
+    path = tmp_path / "v1.yaml"
+    path.write_text(f"model: whatever\nkernel_config: {kernel_config}\n")
+    with pytest.raises(LigerFsdpConfigError, match="kernel_config"):
+        v1.precheck("sft", [str(path)])
+
+
 def test_v1_checkpoint_repair_refused():
     with pytest.raises(LigerFsdpConfigError) as err:
         v1_args.config_of({"name": "liger_fsdp", "liger_fsdp_checkpoint_repair": True})
