@@ -115,6 +115,7 @@ def test_fused_cp_loss_trains_as_reference(runs, run, reference):
         assert rel(fused_w[name], ref_w[name]) < 1e-4, name
     size = RUNS[run][1]
     assert f"[liger_fsdp] v1 sequence parallelism (Ulysses, cp_size {size})" in log, log[-6000:]
+    assert "outside the trainer's log-probs call" not in log  # no training forward built the [N/cp, V] logits
     assert "[liger_fsdp] guard: step 1 exact: LLaMA-Factory's sequence_parallel_loss" in log, log[-6000:]
     assert log.count("[liger_fsdp] engaged:") == 1 and "sharding=FSDP2" in log and HEAD_UNIT in log, log[-6000:]
     assert "[liger_fsdp] engaged:" not in runs["cp2_v1"][0]
