@@ -57,7 +57,7 @@ def _parse(path: str, overrides: list[str], machine_overrides: dict | None = Non
     finally:
         sys.argv = saved
     args = {k: v for k, v in dict(raw, **(machine_overrides or {})).items() if v is not None}
-    with refusals.elsewhere():  # what this machine cannot run is reported apart
+    with refusals.for_another_machine():  # what this machine cannot run is reported apart
         return raw, get_train_args(args)
 
 

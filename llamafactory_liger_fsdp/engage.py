@@ -87,7 +87,7 @@ def engage(model: nn.Module, config: LigerFsdpConfig | None = None, *, backend: 
     return causal_lm.__dict__[ATTR]
 
 
-def record(model: nn.Module, undo: list) -> None:
+def record_undo(model: nn.Module, undo: list) -> None:
     """Remember the undo callables of side effects made for ``model`` (dtype casts, patches, environment)."""
     causal_lm_of(model).__dict__.setdefault(SIDE_EFFECTS, []).extend(undo)
 
@@ -111,11 +111,11 @@ def hold(model: nn.Module, key: str, apply) -> None:
             while entry["undo"]:
                 entry["undo"].pop()()
 
-    record(model, [release])
+    record_undo(model, [release])
 
 
 def disengage(model: nn.Module) -> None:
-    """Undo :func:`engage` and every side effect :func:`record`-ed for the model, newest first (before FSDP wrapping /
+    """Undo :func:`engage` and every side effect :func:`record_undo`-ed for the model, newest first (before FSDP wrapping /
     ``deepspeed.initialize``; afterwards the units and partitions stay as they were built)."""
     causal_lm = causal_lm_of(model)
     done = causal_lm.__dict__.pop(ATTR, None)

@@ -1,7 +1,7 @@
 """What the plugin will decide for a parsed yaml, without weights: the same code as training.
 
 :func:`decide` reads the model's config once, as training reads it
-(:func:`.integration.llamafactory.read_model_config`), builds the model on the ``meta`` device, lets
+(:func:`.integration.common.read_model_config`), builds the model on the ``meta`` device, lets
 LLaMA-Factory's own ``init_adapter`` turn it into the PEFT model training would build, and runs the training-time
 checks on it (family and its class, quirks, loss function, head kind: :func:`..engage.engage` minus the
 forward). A 70B model costs nothing on ``meta``; no GPU is needed.
@@ -63,7 +63,7 @@ def head_from_yaml(finetuning_args: Any) -> str:
 def decide(model_args: Any, finetuning_args: Any) -> Decision:
     from . import families, heads
     from .engage import causal_lm_of, check_model
-    from .integration.llamafactory import read_model_config
+    from .integration.common import read_model_config
 
     out = Decision()
     try:

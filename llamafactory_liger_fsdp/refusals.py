@@ -74,18 +74,18 @@ def _head_variant(get: Callable[[str, Any], Any]) -> None:
             )
 
 
-_ELSEWHERE = [False]
+_ANOTHER_MACHINE = [False]
 
 
 @contextlib.contextmanager
-def elsewhere():
+def for_another_machine():
     """Inside: the yaml is evaluated for another machine (``doctor`` on a login node); :func:`check` skips
     :func:`machine_problem`, which the caller reports apart."""
-    _ELSEWHERE[0] = True
+    _ANOTHER_MACHINE[0] = True
     try:
         yield
     finally:
-        _ELSEWHERE[0] = False
+        _ANOTHER_MACHINE[0] = False
 
 
 def machine_problem(cfg: Any) -> str | None:
@@ -146,7 +146,7 @@ def check(get: Callable[[str, Any], Any], sharding: Any = None, cfg: Any = None,
                 f"function and the sharding types it works with are those of these releases on. Fix: "
                 f"{versions.upgrade_command()}, or remove `liger_fsdp`."
             )
-    problem = machine_problem(cfg) if cfg is not None and machine and not _ELSEWHERE[0] else None
+    problem = machine_problem(cfg) if cfg is not None and machine and not _ANOTHER_MACHINE[0] else None
     if problem:
         raise LigerFsdpConfigError(problem)
 

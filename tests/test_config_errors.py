@@ -229,7 +229,7 @@ def test_triton_backend_needs_cuda(base, monkeypatch, backend):
     with pytest.raises(LigerFsdpConfigError) as err:
         refusals.check_raw(base, None, cfg)
     names_key_and_fix(str(err.value), f"liger_fsdp_backend: {backend}", "liger_fsdp_backend: auto")
-    with refusals.elsewhere():  # doctor on a login node reports it apart
+    with refusals.for_another_machine():  # doctor on a login node reports it apart
         refusals.check_raw(base, None, cfg)
 
 

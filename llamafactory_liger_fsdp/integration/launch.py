@@ -27,7 +27,8 @@ def precheck(raw: Any) -> None:
     """What the arguments alone decide (a dict from yaml/json, or an argv list), checked in the launching process with
     the rules every rank applies after parsing."""
     from .. import v1_args
-    from .llamafactory import SAID_VERSIONS, check_family, config_from_args
+    from .common import SAID_VERSIONS
+    from .llamafactory import check_family, config_from_args
 
     v1_args.without_v1(raw)
     rest, cfg = config_from_args(raw)

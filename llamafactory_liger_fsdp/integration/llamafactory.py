@@ -11,9 +11,7 @@ from .. import _log, _patch, config, refusals, sharding, thirdparty, versions
 from .._log import info_rank0, say_once
 from ..checkpoint import resume
 from ..config import LigerFsdpConfigError
-
-#: Keys of the lines said once per run (:func:`.._log.say_once`).
-SAID_DISABLED, SAID_VERSIONS, SAID_NO_EFFECT = "disabled", "versions", "no_effect"
+from .common import SAID_DISABLED, SAID_NO_EFFECT, SAID_VERSIONS, read_model_config, zero3_dtypes
 
 
 def _log_disabled(ours: dict) -> None:
@@ -108,17 +106,6 @@ def patch_parser(parser_module: Any) -> None:
 
 
 # --------------------------------------------------------------------------- the model
-def read_model_config(model_args: Any):
-    """The model's config (no weights), read as LLaMA-Factory's loader reads it: training's family check and
-    ``doctor``'s dry run (:mod:`..predict`) read it here, once each."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(
-        model_args.model_name_or_path, trust_remote_code=bool(getattr(model_args, "trust_remote_code", False)),
-        cache_dir=getattr(model_args, "cache_dir", None), revision=getattr(model_args, "model_revision", "main"),
-    )
-
-
 def check_family(model_args: Any) -> None:
     """Refuse an unsupported family from the model's config alone (no weights loaded)."""
     from .. import families
@@ -176,20 +163,6 @@ def liger_needs_cuda(model: Any) -> None:
             "`enable_liger_kernel: false` on this machine, or run on a CUDA GPU.")
 
 
-def zero3_dtypes(model: Any) -> list:
-    """DeepSpeed ZeRO-3 (both engines): trainable parameters in the compute dtype when their dtypes are mixed
-    (:mod:`..precision`), said once; the undo callables."""
-    from .. import precision
-
-    cast, undo = precision.to_compute_dtype(model)
-    if not cast:
-        return []
-    info_rank0(f"[liger_fsdp] DeepSpeed ZeRO-3: trainable parameters in the compute dtype, as DeepSpeed casts them "
-               f"itself under ZeRO-0/1/2 (its optimizer keeps fp32 master weights; ZeRO-3's cannot take mixed dtypes): "
-               f"{cast}.")
-    return [undo]
-
-
 def engage_model(model: Any, cfg: config.LigerFsdpConfig, finetuning_args: Any = None, liger: bool = False):
     """Engage the fused loss on a freshly loaded model and patch only what this run needs: checkpoints for an FSDP2
     adapter run (whether or not the loss engages), then, once engaged, the DeepSpeed ZeRO-3 dtype policy, the FSDP
@@ -202,14 +175,14 @@ def engage_model(model: Any, cfg: config.LigerFsdpConfig, finetuning_args: Any =
     stage = getattr(finetuning_args, "stage", "sft")
     kind = getattr(cfg.sharding, "kind", None)
     undo = resume.use_full_state_dict(cfg.sharding, finetuning_args)  # checkpoints: whether or not the loss engages
-    engage.record(model, [undo] if undo is not None else [])
+    engage.record_undo(model, [undo] if undo is not None else [])
     if kind == sharding.FSDP2 and getattr(finetuning_args, "finetuning_type", None) in resume.ADAPTER_FINETUNING:
         engage.hold(model, "checkpointing", lambda: trainer.patch_checkpointing(cfg))
     done = engage.engage(model, cfg, any_head=stage in refusals.PREFERENCE_STAGES)
     if done is None:
         return None
     if kind == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:
-        engage.record(model, zero3_dtypes(model))
+        engage.record_undo(model, zero3_dtypes(model))
     if kind in (sharding.FSDP1, sharding.FSDP2):
         version = cfg.sharding.fsdp_version
         engage.hold(model, f"FSDP{version} wrap policy", lambda: accelerate.patch_wrap_policy(version))

@@ -28,7 +28,7 @@ from .. import _log, _patch, config, sharding, v1_args, versions
 from .._log import say_once
 from ..config import LigerFsdpConfigError
 from . import launch
-from .llamafactory import SAID_DISABLED, SAID_NO_EFFECT, SAID_VERSIONS, read_model_config, zero3_dtypes
+from .common import SAID_DISABLED, SAID_NO_EFFECT, SAID_VERSIONS, read_model_config, zero3_dtypes
 
 COMMANDS = ("train", "sft", "dpo", "rm")
 _RUN: dict[str, Any] = {"config": None}  # this run's config, from get_args (reset when a run starts)
@@ -195,9 +195,9 @@ def engage_v1(model: Any, kernel_config: Any = None):
     engage.hold(model, "v1 DPOTrainer", lambda: v1_dpo.patch(cfg))  # a DPO run (its trainer module is loaded) only
     from . import v1_cp  # Ulysses sequence parallelism (cp_size > 1) only
 
-    engage.record(model, v1_cp.patch(model))
+    engage.record_undo(model, v1_cp.patch(model))
     if getattr(cfg.sharding, "kind", None) == sharding.FSDP2:
         engage.hold(model, "v1 fully_shard", v1_train.patch_fully_shard)
     if getattr(cfg.sharding, "kind", None) == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:
-        engage.record(model, zero3_dtypes(model))  # v1 loads under zero.init too
+        engage.record_undo(model, zero3_dtypes(model))  # v1 loads under zero.init too
     return model
