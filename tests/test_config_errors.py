@@ -10,37 +10,27 @@ import pytest
 
 from llamafactory_liger_fsdp import config, refusals, sharding
 from llamafactory_liger_fsdp.config import LigerFsdpConfigError
-from support import names_key_and_fix
+from support import names_key_and_fix, sft_args, train_args
 
 
 @pytest.fixture
 def base(assets, tmp_path):
-    return dict(
-        model_name_or_path=str(assets / "model"), stage="sft", do_train=True, finetuning_type="lora",
-        dataset="tiny_alpaca", dataset_dir=str(assets / "data"), template="llama3", output_dir=str(tmp_path / "out"),
-        report_to="none",
-    )
-
-
-def _train_args(args):
-    from llamafactory.hparams import get_train_args
-
-    return get_train_args(args)
+    return sft_args(assets, tmp_path)
 
 
 def test_flag_accepted_without_allow_extra_args(base, monkeypatch):
     monkeypatch.delenv("ALLOW_EXTRA_ARGS", raising=False)
-    *_, finetuning_args, _ = _train_args(dict(base, liger_fsdp=True, liger_fsdp_backend="torch"))
+    *_, finetuning_args, _ = train_args(dict(base, liger_fsdp=True, liger_fsdp_backend="torch"))
     cfg = config.get_config(finetuning_args)
     assert (cfg.enabled, cfg.backend, cfg.memory_report, cfg.checkpoint_repair) == (True, "torch", False, True)
     assert cfg.sharding == sharding.Sharding("none", source="one process")  # decided once, at parse time
-    *_, finetuning_args, _ = _train_args(dict(base))
+    *_, finetuning_args, _ = train_args(dict(base))
     assert config.get_config(finetuning_args).enabled is False
 
 
 def test_other_unknown_keys_still_rejected(base):
     with pytest.raises(ValueError, match=r"Some keys are not used by the HfArgumentParser: \['not_a_key'\]"):
-        _train_args(dict(base, liger_fsdp=True, not_a_key=1))
+        train_args(dict(base, liger_fsdp=True, not_a_key=1))
 
 
 def test_yaml_and_cli_override(base, tmp_path, monkeypatch):
@@ -50,17 +40,17 @@ def test_yaml_and_cli_override(base, tmp_path, monkeypatch):
     path = tmp_path / "sft.yaml"
     path.write_text(yaml.safe_dump(dict(base, liger_fsdp=False)))
     monkeypatch.setattr(sys, "argv", ["llamafactory-cli", str(path), "liger_fsdp=true", "liger_fsdp_memory_report=true"])
-    *_, finetuning_args, _ = _train_args(None)
+    *_, finetuning_args, _ = train_args(None)
     cfg = config.get_config(finetuning_args)
     assert cfg.enabled is True and cfg.memory_report is True
 
 
 def test_argv_form(base):
     argv = [f"--{k}={v}" for k, v in base.items()] + ["--liger_fsdp", "true"]
-    *_, finetuning_args, _ = _train_args(argv)
+    *_, finetuning_args, _ = train_args(argv)
     assert config.get_config(finetuning_args).enabled is True
     argv = [f"--{k}={v}" for k, v in base.items()] + ["--liger_fsdp"]
-    *_, finetuning_args, _ = _train_args(argv)
+    *_, finetuning_args, _ = train_args(argv)
     assert config.get_config(finetuning_args).enabled is True
 
 
@@ -69,21 +59,21 @@ def test_argv_form(base):
 def test_wrong_value(base, key, value):
     extra = {} if key == "liger_fsdp" else {"liger_fsdp": True}
     with pytest.raises(LigerFsdpConfigError) as err:
-        _train_args(dict(base, **extra, **{key: value}))
+        train_args(dict(base, **extra, **{key: value}))
     names_key_and_fix(str(err.value), key, key)
     assert repr(value) in str(err.value)
 
 
 def test_unknown_plugin_key(base):
     with pytest.raises(LigerFsdpConfigError) as err:
-        _train_args(dict(base, liger_fsdp=True, liger_fsdp_chunk=4))
+        train_args(dict(base, liger_fsdp=True, liger_fsdp_chunk=4))
     names_key_and_fix(str(err.value), "liger_fsdp_chunk", "spelling")
     assert "`liger_fsdp_backend`" in str(err.value)  # says which keys exist
 
 
 def test_plugin_key_without_the_flag(base):
     with pytest.raises(LigerFsdpConfigError) as err:
-        _train_args(dict(base, liger_fsdp_backend="triton"))
+        train_args(dict(base, liger_fsdp_backend="triton"))
     names_key_and_fix(str(err.value), "liger_fsdp_backend", "liger_fsdp: true")
 
 
@@ -91,21 +81,21 @@ def test_plugin_key_without_the_flag(base):
 def test_stage_refused(base, stage):
     extra = {"reward_model": base["model_name_or_path"]} if stage == "ppo" else {}
     with pytest.raises(LigerFsdpConfigError) as err:
-        _train_args(dict(base, liger_fsdp=True, stage=stage, **extra))
+        train_args(dict(base, liger_fsdp=True, stage=stage, **extra))
     names_key_and_fix(str(err.value), f"stage: {stage}", "liger_fsdp", f"stage: {stage}")
     assert "value head" in str(err.value)  # the reason, not just "unsupported"
 
 
 @pytest.mark.parametrize("stage", ["dpo", "kto"])
 def test_preference_stages_accepted(base, stage):
-    *_, finetuning_args, _ = _train_args(dict(base, liger_fsdp=True, stage=stage, pref_beta=0.1))
+    *_, finetuning_args, _ = train_args(dict(base, liger_fsdp=True, stage=stage, pref_beta=0.1))
     assert config.get_config(finetuning_args).enabled and finetuning_args.stage == stage
 
 
 @pytest.mark.parametrize("key", ["use_unsloth", "use_dft_loss"])
 def test_settings_that_replace_the_loss(base, key):
     with pytest.raises(LigerFsdpConfigError) as err:
-        _train_args(dict(base, liger_fsdp=True, **{key: True}))
+        train_args(dict(base, liger_fsdp=True, **{key: True}))
     names_key_and_fix(str(err.value), f"{key}: true", f"{key}: false")
 
 
@@ -126,7 +116,7 @@ def test_launcher_precheck_refuses(base, bad, key):
 def test_raw_and_parsed_refusals_are_one_text(base):
     """The launching process (raw yaml) and every rank (parsed arguments) refuse with the same text."""
     with pytest.raises(LigerFsdpConfigError) as parsed:
-        _train_args(dict(base, liger_fsdp=True, stage="rm"))
+        train_args(dict(base, liger_fsdp=True, stage="rm"))
     with pytest.raises(LigerFsdpConfigError) as raw:
         refusals.check_raw(dict(base, stage="rm"))
     assert str(raw.value) == str(parsed.value)
@@ -193,19 +183,19 @@ def test_disable_env_accepts_and_ignores_the_keys(base, monkeypatch, capsys):
 
     monkeypatch.setenv(config.DISABLE_ENV, "1")
     said = f"[liger_fsdp] {config.DISABLE_ENV}=1: the liger_fsdp keys are accepted and ignored"
-    *_, finetuning_args, _ = _train_args(dict(base, liger_fsdp=True, liger_fsdp_backend="nonsense"))
+    *_, finetuning_args, _ = train_args(dict(base, liger_fsdp=True, liger_fsdp_backend="nonsense"))
     assert config.get_config(finetuning_args).enabled is False
-    _train_args(dict(base, liger_fsdp=True))  # a second run in this process says it again
+    train_args(dict(base, liger_fsdp=True))  # a second run in this process says it again
     assert capsys.readouterr().err.count(said) == 2
     monkeypatch.setenv(_log.SAID_ENV, "disabled")  # a rank whose launcher said it: not again
-    _train_args(dict(base, liger_fsdp=True))
+    train_args(dict(base, liger_fsdp=True))
     assert capsys.readouterr().err.count(said) == 0 and _log.SAID_ENV not in os.environ  # taken, not handed on
 
 
 def test_disabled_plugin_still_catches_misspelled_keys(base, monkeypatch):
     monkeypatch.setenv(config.DISABLE_ENV, "1")
     with pytest.raises(LigerFsdpConfigError) as err:
-        _train_args(dict(base, liger_fsdp=True, liger_fsdp_gaurd=False))
+        train_args(dict(base, liger_fsdp=True, liger_fsdp_gaurd=False))
     names_key_and_fix(str(err.value), "liger_fsdp_gaurd", "spelling")
 
 
@@ -217,7 +207,7 @@ def test_head_variant_refused_from_the_yaml(base, extra, key):
         refusals.check_raw(dict(base, **extra))
     names_key_and_fix(str(raw.value), key, "lm_head", "additional_target")
     with pytest.raises(LigerFsdpConfigError) as parsed:
-        _train_args(dict(base, liger_fsdp=True, **extra))
+        train_args(dict(base, liger_fsdp=True, **extra))
     assert str(parsed.value) == str(raw.value)
     refusals.check_raw(dict(base, lora_target="q_proj,v_proj", use_dora=True))  # DoRA elsewhere is fine
 

@@ -16,24 +16,14 @@ import yaml
 
 from llamafactory_liger_fsdp import _log, config, doctor, refusals, v1_args, versions
 from llamafactory_liger_fsdp.config import LigerFsdpConfigError
-from support import names_key_and_fix
+from support import names_key_and_fix, sft_args, train_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def base(assets, tmp_path):
-    return dict(
-        model_name_or_path=str(assets / "model"), stage="sft", do_train=True, finetuning_type="lora",
-        dataset="tiny_alpaca", dataset_dir=str(assets / "data"), template="llama3", output_dir=str(tmp_path / "out"),
-        report_to="none",
-    )
-
-
-def _train_args(args):
-    from llamafactory.hparams import get_train_args
-
-    return get_train_args(args)
+    return sft_args(assets, tmp_path)
 
 
 def _argv(values: dict) -> list[str]:
@@ -158,9 +148,9 @@ def test_v1_checkpoint_repair_refused():
 
 def test_the_old_override_key_says_it_does_nothing_once_per_run(base, capsys):
     said = "[liger_fsdp] `liger_fsdp_allow_untested_versions` no longer does anything"
-    _train_args(dict(base, liger_fsdp=True, liger_fsdp_allow_untested_versions=True))
+    train_args(dict(base, liger_fsdp=True, liger_fsdp_allow_untested_versions=True))
     assert capsys.readouterr().err.count(said) == 1
-    _train_args(dict(base, liger_fsdp=True))
+    train_args(dict(base, liger_fsdp=True))
     assert said not in capsys.readouterr().err
 
 
@@ -239,7 +229,7 @@ def test_two_runs_in_one_process_both_say_their_lines(base, monkeypatch, capsys)
     monkeypatch.setattr(versions, "installed", lambda name: {"transformers": "5.99.0"}.get(name))
     line = "[liger_fsdp] untested versions: transformers 5.99.0"
     for _ in range(2):
-        _train_args(dict(base, liger_fsdp=True))
+        train_args(dict(base, liger_fsdp=True))
         assert capsys.readouterr().err.count(line) == 1
     assert not [k for k in os.environ if k.startswith("LLAMAFACTORY_LIGER_FSDP_SAID")]  # nothing for a child
 
@@ -285,7 +275,7 @@ def test_two_models_of_one_process_hold_the_default_engines_patches(base):
     from llamafactory_liger_fsdp.testing import make_model, make_peft
 
     fsdp2 = dict(fsdp="full_shard auto_wrap", fsdp_config=dict(version=2, transformer_layer_cls_to_wrap="LlamaDecoderLayer"))
-    *_, finetuning_args, _ = _train_args(dict(base, liger_fsdp=True, **fsdp2))
+    *_, finetuning_args, _ = train_args(dict(base, liger_fsdp=True, **fsdp2))
     cfg = config.get_config(finetuning_args)
     original = fsdp_utils.fsdp2_prepare_auto_wrap_policy
     models = [make_peft(make_model("llama"), "mts") for _ in range(2)]

@@ -15,3 +15,19 @@ def names_key_and_fix(message: str, key: str, *fix_words: str) -> None:
     fix = message.split("Fix:", 1)[1]
     for word in fix_words:
         assert word in fix, f"the fix does not mention {word!r}: {message}"
+
+
+def sft_args(assets, tmp_path) -> dict:
+    """A LoRA SFT run of the tiny local model, as LLaMA-Factory's parser takes it (the refusal tests' base)."""
+    return dict(
+        model_name_or_path=str(assets / "model"), stage="sft", do_train=True, finetuning_type="lora",
+        dataset="tiny_alpaca", dataset_dir=str(assets / "data"), template="llama3", output_dir=str(tmp_path / "out"),
+        report_to="none",
+    )
+
+
+def train_args(args: dict):
+    """LLaMA-Factory's ``get_train_args`` on ``args`` (the plugin's parser patches in place)."""
+    from llamafactory.hparams import get_train_args
+
+    return get_train_args(args)
