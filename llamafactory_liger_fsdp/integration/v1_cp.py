@@ -30,7 +30,10 @@ def cp_size() -> int:
     """The CP group's size of this run (v1's DistributedInterface, set up before the model is built)."""
     from llamafactory.v1.accelerator.interface import Dim, DistributedInterface
 
-    return int(DistributedInterface().get_world_size(Dim.CP) or 1)
+    instance = getattr(DistributedInterface, "_instance", None)
+    if instance is None or not getattr(instance, "_initialized", False):  # not set up by a v1 run: never create it
+        return 1
+    return int(instance.get_world_size(Dim.CP) or 1)
 
 
 def _slot(sp: Any) -> tuple[dict, str, str]:
