@@ -30,7 +30,7 @@ from torch import nn
 
 from . import announce, families, fp32_limbs
 from ._log import info_rank0
-from .forward_state import ForwardState, Request, original_forwards, pending, state_of  # noqa: F401  (the callers')
+from .forward_state import ForwardState, Request, pending, state_of  # noqa: F401  (state_of, ForwardState: callers)
 from .losses import IGNORE_INDEX, HeadLoss
 
 
