@@ -3,13 +3,13 @@ stand-ins of ``llamafactory_liger_fsdp.testing.cpu_ulysses``; the all-to-all, pa
 
 v1 SFT, LoRA + ``modules_to_save: [lm_head]``, FSDP2, fp32, ``lora_dropout: 0``, ``cutoff_len: 127`` (v1 pads every
 row to a multiple of cp_size), 4 rows a step: cp_size 2 (2 ranks, 2 micro-batches a step), data parallel 2 x cp_size 2
-and cp_size 4 (4 ranks) with the plugin against cp_size 1 with the plugin (one rank), and cp_size 2 against v1's own CP
-loss (logits): per-step losses, the saved head and the saved adapter as a whole within 1e-5, each adapter tensor within
-1e-4 (after three AdamW steps one LoRA tensor reached 1.3e-5 between v1's own cp 2 and cp 1 runs on git main's stack).
-Each run also shows that every rank received its part of every sequence, that labelled targets crossed the shard
-boundaries, and (the plugin's) that the head was computed through its own FSDP unit and the guard held v1's own CP
-loss against it; a 1% error injected into the plugin's CP loss is stopped at step 1. The refusals of what stays out of
-reach are in the fast tier.
+and cp_size 4 (4 ranks) with the plugin against cp_size 1 with the plugin (one rank), cp_size 2 against v1's own CP
+loss (logits), and a LoRA head at cp_size 2 against cp_size 1: per-step losses, the saved head and the saved adapter
+as a whole within 1e-5, each adapter tensor within 1e-4 (after three AdamW steps one LoRA tensor reached 1.3e-5
+between v1's own cp 2 and cp 1 runs on git main's stack). Each run also shows that every rank received its part of
+every sequence, that labelled targets crossed the shard boundaries, and (the plugin's) that the head was computed
+through its own FSDP units and the guard held v1's own CP loss against it; a 1% error injected into the plugin's CP
+loss is stopped at step 1. The refusals of what stays out of reach are in the fast tier.
 """
 
 import dataclasses
@@ -31,7 +31,6 @@ from support.v1 import losses, run_v1, v1_yaml, weights  # noqa: E402
 ULYSSES = ROOT / "llamafactory_liger_fsdp" / "testing" / "cpu_ulysses_shim"
 INJECT = ROOT / "tests" / "cp_inject"
 CUTOFF = 127  # odd: v1 pads every row to 128 for cp 2
-HEAD_UNIT = "through 1 FSDP unit(s) (lm_head.modules_to_save.default)"
 SPLIT = re.compile(r"\[cpu_ulysses\] rank (\d+) of cp (\d+): input_ids \[(\d+), (\d+)\] -> \[(\d+), (\d+)\], "
                    r"labelled targets across shard boundaries: (\d+)")
 
@@ -58,10 +57,10 @@ def long_answers(assets, base) -> str:
     return str(data)
 
 
-def cp_yaml(assets, out, data, size: int, plugin: bool = True, **overrides) -> dict:
+def cp_yaml(assets, out, data, size: int, plugin: bool = True, head: str = "mts", **overrides) -> dict:
     """A v1 SFT yaml at ``cp_size: size`` (1: no CP keys, the default attention)."""
     extra = dict(cp_keys(size), flash_attn="flash_attention_2") if size > 1 else {}
-    cfg = v1_yaml(assets, out, "mts", plugin=plugin, cutoff_len=CUTOFF, train_dataset=data, **extra, **overrides)
+    cfg = v1_yaml(assets, out, head, plugin=plugin, cutoff_len=CUTOFF, train_dataset=data, **extra, **overrides)
     cfg["peft_config"]["lora_dropout"] = 0.0
     return cfg
 
@@ -79,10 +78,13 @@ def four_kv_heads(assets, base) -> str:
     return str(model)
 
 
-#: name -> (ranks, cp_size, plugin): one reference for every layout (global batch 4 rows a step, every row cut to
-#: CUTOFF, so each step trains the same rows whether they sit on 1 rank in 2 micro-batches or on 2 data-parallel ranks)
-RUNS = {"cp1_plugin": (1, 1, True), "cp2_plugin": (2, 2, True), "cp2_v1": (2, 2, False),
-        "dp2_cp2_plugin": (4, 2, True), "cp4_plugin": (4, 4, True)}
+#: name -> (ranks, cp_size, plugin, head): one reference per head for every layout (global batch 4 rows a step, every
+#: row cut to CUTOFF, so each step trains the same rows on 1 rank in 2 micro-batches or on 2 data-parallel ranks)
+RUNS = {"cp1_plugin": (1, 1, True, "mts"), "cp2_plugin": (2, 2, True, "mts"), "cp2_v1": (2, 2, False, "mts"),
+        "dp2_cp2_plugin": (4, 2, True, "mts"), "cp4_plugin": (4, 4, True, "mts"),
+        "cp1_lora_head": (1, 1, True, "lora"), "cp2_lora_head": (2, 2, True, "lora")}
+HEAD_UNITS = {"mts": "through 1 FSDP unit(s) (lm_head.modules_to_save.default)",
+              "lora": "through 2 FSDP unit(s) (lm_head.base_layer, lm_head.lora_B.default)"}
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +92,9 @@ def runs(assets, tmp_path_factory):
     """The launches shared by the tests (:data:`RUNS`)."""
     base = tmp_path_factory.mktemp("v1_cp")
     data, model, found = long_answers(assets, base), four_kv_heads(assets, base), {}
-    for name, (ranks, size, plugin) in RUNS.items():
+    for name, (ranks, size, plugin, head) in RUNS.items():
         out = base / name
-        cfg = cp_yaml(assets, out, data, size, plugin, model=model, global_batch_size=4)
+        cfg = cp_yaml(assets, out, data, size, plugin, head, model=model, global_batch_size=4)
         rc, log = run_v1(cfg, nproc=ranks, shims=(ULYSSES,))
         assert rc == 0, log[-6000:]
         found[name] = (log, losses(out), weights(out))
@@ -101,23 +103,25 @@ def runs(assets, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run, reference", [("cp2_plugin", "cp1_plugin"), ("cp2_plugin", "cp2_v1"),
-                                            ("dp2_cp2_plugin", "cp1_plugin"), ("cp4_plugin", "cp1_plugin")])
+                                            ("dp2_cp2_plugin", "cp1_plugin"), ("cp4_plugin", "cp1_plugin"),
+                                            ("cp2_lora_head", "cp1_lora_head")])
 def test_fused_cp_loss_trains_as_reference(runs, run, reference):
     log, fused_losses, fused_w = runs[run]
     _, ref_losses, ref_w = runs[reference]
     assert len(ref_losses) == 3 and all(rel(a, b) < 1e-5 for a, b in zip(fused_losses, ref_losses)), \
         (fused_losses, ref_losses)
-    head = next(k for k in ref_w if k.endswith("lm_head.weight"))  # the trained head, in the adapter
-    assert fused_w.keys() == ref_w.keys() and rel(fused_w[head], ref_w[head]) < 1e-5
+    heads = [k for k in ref_w if "lm_head" in k]  # the trained head (its copy or its LoRA), in the adapter
+    assert heads and fused_w.keys() == ref_w.keys() and all(rel(fused_w[k], ref_w[k]) < 1e-5 for k in heads)
     names = sorted(ref_w)
     assert rel(torch.cat([fused_w[k].flatten() for k in names]), torch.cat([ref_w[k].flatten() for k in names])) < 1e-5
     for name in names:  # AdamW divides each element by its own running norm: see test_v1_dist.py
         assert rel(fused_w[name], ref_w[name]) < 1e-4, name
-    size = RUNS[run][1]
+    size, head_kind = RUNS[run][1], RUNS[run][3]
     assert f"[liger_fsdp] v1 sequence parallelism (Ulysses, cp_size {size})" in log, log[-6000:]
     assert "outside the trainer's log-probs call" not in log  # no training forward built the [N/cp, V] logits
     assert "[liger_fsdp] guard: step 1 exact: LLaMA-Factory's sequence_parallel_loss" in log, log[-6000:]
-    assert log.count("[liger_fsdp] engaged:") == 1 and "sharding=FSDP2" in log and HEAD_UNIT in log, log[-6000:]
+    assert log.count("[liger_fsdp] engaged:") == 1 and "sharding=FSDP2" in log, log[-6000:]
+    assert HEAD_UNITS[head_kind] in log, log[-6000:]
     assert "[liger_fsdp] engaged:" not in runs["cp2_v1"][0]
 
 
