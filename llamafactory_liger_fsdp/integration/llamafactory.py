@@ -41,6 +41,12 @@ _PARSED = {"enabled": False, "training": False}
 
 
 def patch_parser(parser_module: Any) -> None:
+    """``_parse_args`` (the keys, the run's config and refusals) and ``get_train_args`` (the checks after it)."""
+    _patch_parse_args(parser_module)
+    _patch_get_train_args(parser_module)
+
+
+def _patch_parse_args(parser_module: Any) -> None:
     _patch.require_params(parser_module._parse_args, ("parser", "args", "allow_extra_keys"), "_parse_args")
     read_args = parser_module.read_args
 
@@ -67,6 +73,8 @@ def patch_parser(parser_module: Any) -> None:
 
     _patch.apply(parser_module, "_parse_args", make, "accept and validate the liger_fsdp keys")
 
+
+def _patch_get_train_args(parser_module: Any) -> None:
     # LLaMA-Factory picks the checkpoint to resume from (get_last_checkpoint of output_dir) in
     # get_train_args *after* _parse_args returns, so the resume check wraps get_train_args.
     _patch.require_params(parser_module.get_train_args, ("args",), "get_train_args")
