@@ -139,13 +139,7 @@ def check(get: Callable[[str, Any], Any], sharding: Any = None, cfg: Any = None,
             )
     _head_variant(get)
     if cfg is not None:
-        old = versions.too_old()
-        if old:
-            raise LigerFsdpConfigError(
-                f"`liger_fsdp: true` needs newer releases than installed: {', '.join(old)}; the patch points, the loss "
-                f"function and the sharding types it works with are those of these releases on. Fix: "
-                f"{versions.upgrade_command()}, or remove `liger_fsdp`."
-            )
+        versions.refuse_too_old("`liger_fsdp: true`", "or remove `liger_fsdp`")
     problem = machine_problem(cfg) if cfg is not None and machine and not _ANOTHER_MACHINE[0] else None
     if problem:
         raise LigerFsdpConfigError(problem)

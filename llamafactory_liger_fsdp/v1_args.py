@@ -167,11 +167,7 @@ def check(command: str | None, values: Mapping, cfg: config.LigerFsdpConfig | No
     """What the plugin refuses on v1, from the arguments and the installed versions (the launching process and every
     rank); with ``cfg`` also what this machine cannot run (:func:`.refusals.machine_problem`, as on the default
     engine)."""
-    old = versions.too_old()
-    if old:
-        raise LigerFsdpConfigError(
-            f"`{KEY}.name: {NAME}` needs newer releases than installed: {', '.join(old)}. Fix: "
-            f"{versions.upgrade_command()}, {FIX_REMOVE}.")
+    versions.refuse_too_old(f"`{KEY}.name: {NAME}`", FIX_REMOVE)
     if command == "rm" or values.get("model_class") == "cls":
         raise LigerFsdpConfigError(
             f"`{KEY}.name: {NAME}` computes log-probs over the vocabulary through lm_head; v1's reward-model trainer "

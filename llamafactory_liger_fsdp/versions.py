@@ -157,3 +157,16 @@ def note(guard: bool, found: dict[str, str | None] | None = None) -> str | None:
              "differ" if guard else "`liger_fsdp_guard: false`: nothing checks the fused loss against the model's own "
              "on these versions (remove that key to check step 1)")
     return f"[liger_fsdp] untested versions: {', '.join(newer)}; training as usual, {check}."
+
+
+def refuse_too_old(setting: str, remove: str) -> None:
+    """Raise the one refusal of releases older than :data:`MINIMUM` (both engines): ``setting`` names what the user
+    wrote (e.g. ```liger_fsdp: true```), ``remove`` how to train without the plugin."""
+    old = too_old()
+    if old:
+        from .config import LigerFsdpConfigError
+
+        raise LigerFsdpConfigError(
+            f"{setting} needs newer releases than installed: {', '.join(old)}; the patch points, the loss function and "
+            f"the sharding types it works with are those of these releases on. Fix: {upgrade_command()}, {remove}."
+        )
