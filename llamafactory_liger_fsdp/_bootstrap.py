@@ -5,7 +5,7 @@
 ``llamafactory-cli`` parent, the torchrun workers it starts with ``FORCE_TORCHRUN=1`` and
 ``accelerate launch`` workers. So this module must stay cheap and must never break start-up:
 it imports nothing but :mod:`.hooked` (names) and only puts a finder on ``sys.meta_path``: ``python -c pass``
-costs about what it costs without the plugin (``bench/hook_cost.py``; ``tests/test_bootstrap.py`` checks what it
+costs about what it costs without the plugin (``bench/results/archive/hook_cost.json``; ``tests/test_bootstrap.py`` checks what it
 imports). The ``.pth`` line itself is silent where the package is gone but the line is not (pip part-way through
 reinstalling the plugin runs Python with the old line in place); any other import error is reported as site does.
 
