@@ -1,5 +1,5 @@
 """``python -m llamafactory_liger_fsdp doctor [sft.yaml [key=value ...]]``: versions, whether the import hook
-is active, and for a yaml what the plugin will decide, with the same code as training (a v1 yaml: :mod:`.doctor_v1`).
+is active, and for a yaml what the plugin will decide, with the same code as training (a v1 yaml: :mod:`.integration.v1.doctor`).
 
 Works on a machine without a GPU (a login node): when LLaMA-Factory rejects the yaml only because of this
 machine (``bf16`` without a GPU, a ``deepspeed:`` yaml outside a torchrun rank, a Triton backend without
@@ -47,7 +47,7 @@ def hook_status(python: list[str] | None = None, env: dict | None = None) -> tup
 
 def _raw(argv: list[str]) -> dict | None:
     """The yaml as a dict (for telling a v1 yaml apart), None where it cannot be read."""
-    from . import v1_args
+    from .integration.v1 import args as v1_args
 
     try:
         return v1_args.read_raw(argv)
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import _bootstrap
 
     _bootstrap.install()  # evaluate the yaml as the hook would, even where it is not active
-    from . import doctor_v1
+    from .integration.v1 import doctor as doctor_v1
 
     if doctor_v1.is_v1(_raw(argv)):
         ok, lines = doctor_v1.check_yaml(argv[0], argv[1:])

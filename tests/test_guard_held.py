@@ -180,7 +180,7 @@ def test_v1_a_changed_compute_log_probs_stops(v1_model, monkeypatch):
 
     _patch.undo(cls, "compute_log_probs")
     monkeypatch.setattr(cls, "compute_log_probs", newer)
-    from llamafactory_liger_fsdp.integration import v1_train
+    from llamafactory_liger_fsdp.integration.v1 import train as v1_train
 
     undo = v1_train.patch_compute_log_probs()
     try:

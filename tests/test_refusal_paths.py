@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from llamafactory_liger_fsdp import _log, config, doctor, refusals, v1_args, versions
+from llamafactory_liger_fsdp import _log, config, doctor, refusals, versions
+from llamafactory_liger_fsdp.integration.v1 import args as v1_args
 from llamafactory_liger_fsdp.config import LigerFsdpConfigError
 from support import names_key_and_fix, sft_args, train_args
 
@@ -90,7 +91,7 @@ def test_v1_list_form_where_the_installed_v1_takes_one_name():
     pytest.importorskip("llamafactory.v1")
     from llamafactory.v1.plugins.model_plugins.kernels import interface
 
-    from llamafactory_liger_fsdp.integration import v1
+    from llamafactory_liger_fsdp.integration.v1 import engine as v1
 
     assert v1.takes_list() is hasattr(interface, "apply_kernels")
     listed = {"name": "liger_kernel,liger_fsdp"}
@@ -121,7 +122,7 @@ def test_doctor_fails_on_keys_that_would_do_nothing(assets, monkeypatch, capsys,
 
 def test_doctor_fails_on_a_list_the_installed_v1_cannot_take(assets, monkeypatch, capsys):
     pytest.importorskip("llamafactory.v1")
-    from llamafactory_liger_fsdp.integration import v1
+    from llamafactory_liger_fsdp.integration.v1 import engine as v1
 
     monkeypatch.setenv("LLAMAFACTORY_VERBOSITY", "WARN")
     rc = doctor.main(["doctor", _v1_recipe(), f"model={assets / 'model'}", "kernel_config.name=liger_kernel,liger_fsdp"])
@@ -132,7 +133,7 @@ def test_doctor_fails_on_a_list_the_installed_v1_cannot_take(assets, monkeypatch
 @pytest.mark.parametrize("kernel_config", ["{name: liger-fsdp}", "{name: liger_fsdp, guard: false}"])
 def test_v1_launcher_refuses_them_before_any_rank(tmp_path, kernel_config):
     pytest.importorskip("llamafactory.v1")
-    from llamafactory_liger_fsdp.integration import v1
+    from llamafactory_liger_fsdp.integration.v1 import engine as v1
 
     path = tmp_path / "v1.yaml"
     path.write_text(f"model: whatever\nkernel_config: {kernel_config}\n")
@@ -156,7 +157,7 @@ def test_the_old_override_key_says_it_does_nothing_once_per_run(base, capsys):
 
 def test_v1_disabled_by_its_own_key_names_that_key(monkeypatch, capsys):
     pytest.importorskip("llamafactory.v1")
-    from llamafactory_liger_fsdp.integration import v1
+    from llamafactory_liger_fsdp.integration.v1 import engine as v1
     from llamafactory_liger_fsdp.testing import make_model
 
     monkeypatch.delenv(config.DISABLE_ENV, raising=False)
@@ -247,7 +248,7 @@ def test_second_v1_engage_holds_the_patches_until_the_last_disengages():
     from llamafactory.v1.core import base_trainer
 
     from llamafactory_liger_fsdp import _patch, engage
-    from llamafactory_liger_fsdp.integration import v1
+    from llamafactory_liger_fsdp.integration.v1 import engine as v1
     from llamafactory_liger_fsdp.testing import make_model, make_peft
 
     original = base_trainer.BaseTrainer.compute_log_probs

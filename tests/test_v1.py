@@ -13,9 +13,10 @@ import torch
 
 pytest.importorskip("llamafactory.v1")
 
-from llamafactory_liger_fsdp import engage, forward, v1_args  # noqa: E402
+from llamafactory_liger_fsdp import engage, forward  # noqa: E402
 from llamafactory_liger_fsdp.config import LigerFsdpConfigError  # noqa: E402
-from llamafactory_liger_fsdp.integration import v1  # noqa: E402
+from llamafactory_liger_fsdp.integration.v1 import args as v1_args  # noqa: E402
+from llamafactory_liger_fsdp.integration.v1 import engine as v1  # noqa: E402
 from llamafactory_liger_fsdp.testing import VOCAB, make_batch, make_model, make_peft, rel  # noqa: E402
 
 
@@ -239,7 +240,7 @@ def test_refusals(command, values, match):
 def test_v1_launcher_precheck_refuses(tmp_path, yaml, expected):
     """The function v1's patched launcher runs before any rank starts, on the yaml's own words (one yaml end to end:
     test_bootstrap.py::test_v1_engine_refusals_before_any_rank)."""
-    from llamafactory_liger_fsdp.integration.v1 import precheck
+    from llamafactory_liger_fsdp.integration.v1.engine import precheck
 
     cfg = tmp_path / "v1.yaml"
     cfg.write_text("model: whatever\n" + yaml)

@@ -22,7 +22,8 @@ import torch
 
 pytest.importorskip("llamafactory.v1")
 
-from llamafactory_liger_fsdp import v1_args, v1_cp_args  # noqa: E402
+from llamafactory_liger_fsdp.integration.v1 import args as v1_args  # noqa: E402
+from llamafactory_liger_fsdp.integration.v1 import cp_args as v1_cp_args  # noqa: E402
 from llamafactory_liger_fsdp.config import LigerFsdpConfigError  # noqa: E402
 from llamafactory_liger_fsdp.testing import rel  # noqa: E402
 from support.cli import ROOT  # noqa: E402

@@ -16,9 +16,9 @@ LLaMA-Factory, always (:mod:`.llamafactory`, patched by the import hook right af
 accelerate's CLI, always (:mod:`.launch`): ``accelerate.commands.launch.launch_command`` -- ``accelerate launch``
 checks the training script's arguments the same way before it starts any process.
 
-LLaMA-Factory's v1 engine (``USE_V1=1``; :mod:`.v1`): its launcher (the same check), its ``get_args`` and its kernel
-registry (entry ``liger_fsdp``); once engaged (:mod:`.v1_train`), ``BaseTrainer.compute_log_probs`` and, under FSDP2,
-its ``fully_shard``; in a DPO run v1's ``DPOTrainer`` (:mod:`.v1_dpo`).
+LLaMA-Factory's v1 engine (``USE_V1=1``; :mod:`.v1.engine`): its launcher (the same check), its ``get_args`` and its kernel
+registry (entry ``liger_fsdp``); once engaged (:mod:`.v1.train`), ``BaseTrainer.compute_log_probs`` and, under FSDP2,
+its ``fully_shard``; in a DPO run v1's ``DPOTrainer`` (:mod:`.v1.dpo`).
 
 The other groups are patched by :func:`.llamafactory.engage_model` only when this run needs it, recorded on the
 engaged model and undone by :func:`..engage.disengage`:
@@ -58,7 +58,8 @@ def on_module_loaded(name: str, module: Any) -> None:
     by a run of their stage (:func:`.preference.patch_stage`)."""
     if name not in MODULES:
         return
-    from . import launch, llamafactory, v1
+    from . import launch, llamafactory
+    from .v1 import engine as v1
 
     patchers = {PARSER: llamafactory.patch_parser, LOADER: llamafactory.patch_loader,
                 LAUNCHER: launch.patch_launcher, V1_LAUNCHER: v1.patch_v1_launcher,

@@ -26,7 +26,7 @@ from ..config import LigerFsdpConfigError
 def precheck(raw: Any) -> None:
     """What the arguments alone decide (a dict from yaml/json, or an argv list), checked in the launching process with
     the rules every rank applies after parsing."""
-    from .. import v1_args
+    from .v1 import args as v1_args
     from .common import SAID_VERSIONS
     from .llamafactory import check_family, config_from_args
 

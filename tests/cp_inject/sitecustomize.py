@@ -4,7 +4,7 @@ for the guard to stop; then hands over to the next ``sitecustomize`` on the path
 import os
 import sys
 
-from llamafactory_liger_fsdp.integration import v1_cp
+from llamafactory_liger_fsdp.integration.v1 import cp as v1_cp
 
 _honest = v1_cp.fused_sequence_parallel_loss
 

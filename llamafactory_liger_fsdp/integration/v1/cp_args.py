@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from . import versions
-from .config import LigerFsdpConfigError
+from ... import versions
+from ...config import LigerFsdpConfigError
 
 NAME, KEY = "liger_fsdp", "kernel_config"
 FIX_REMOVE = f"or remove `{NAME}` from `{KEY}.name`"

@@ -24,11 +24,12 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
-from .. import _log, _patch, config, sharding, v1_args, versions
-from .._log import say_once
-from ..config import LigerFsdpConfigError
-from . import launch
-from .common import SAID_DISABLED, SAID_NO_EFFECT, SAID_VERSIONS, read_model_config, zero3_dtypes
+from ... import _log, _patch, config, sharding, versions
+from ..._log import say_once
+from ...config import LigerFsdpConfigError
+from .. import launch
+from . import args as v1_args
+from ..common import SAID_DISABLED, SAID_NO_EFFECT, SAID_VERSIONS, read_model_config, zero3_dtypes
 
 COMMANDS = ("train", "sft", "dpo", "rm")
 _RUN: dict[str, Any] = {"config": None}  # this run's config, from get_args (reset when a run starts)
@@ -75,7 +76,7 @@ def precheck(command: str, argv: list[str]) -> None:
     v1_args.check(command, raw, cfg)
     model_config = model_config_of(raw)
     if not isinstance(model_config, Exception):  # not readable here (hub id offline, ...): checked at build time
-        from .. import families
+        from ... import families
 
         families.family_of(getattr(model_config, "model_type", None))
     say_once(SAID_VERSIONS, versions.note(cfg.guard))
@@ -173,7 +174,7 @@ def run_config(kernel_config: Any = None) -> config.LigerFsdpConfig:
 
 def engage_v1(model: Any, kernel_config: Any = None):
     """v1's kernel entry: engage the (PEFT) model for log-probs requests and patch what this run needs."""
-    from .. import engage
+    from ... import engage
 
     cfg = run_config(kernel_config)
     if not cfg.enabled:
@@ -188,12 +189,13 @@ def engage_v1(model: Any, kernel_config: Any = None):
     done = engage.engage(model, cfg, any_head=True, request_only=True)
     if done is None:
         return model
-    from . import v1_dpo, v1_train
+    from . import dpo as v1_dpo
+    from . import train as v1_train
 
     # process-wide patches, held by every engaged model: undone when the last one disengages
     engage.hold(model, "v1 compute_log_probs", v1_train.patch_compute_log_probs)
     engage.hold(model, "v1 DPOTrainer", lambda: v1_dpo.patch(cfg))  # a DPO run (its trainer module is loaded) only
-    from . import v1_cp  # Ulysses sequence parallelism (cp_size > 1) only
+    from . import cp as v1_cp  # Ulysses sequence parallelism (cp_size > 1) only
 
     engage.record_undo(model, v1_cp.patch(model))
     if getattr(cfg.sharding, "kind", None) == sharding.FSDP2:

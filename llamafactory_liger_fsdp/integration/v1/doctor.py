@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import v1_args, v1_cp_args
-from .args import env_enabled
-from .config import LigerFsdpConfigError
+from ...args import env_enabled
+from ...config import LigerFsdpConfigError
+from . import args as v1_args
+from . import cp_args as v1_cp_args
 
 
 def is_v1(raw: Any) -> bool:
@@ -47,8 +48,8 @@ def head_of(raw: dict) -> str:
 
 def check_yaml(path: str, overrides: list[str]) -> tuple[bool, list[str]]:
     """(would train, report lines)."""
-    from . import families
-    from .integration.v1 import check_kernel_config, model_config_of
+    from ... import families
+    from .engine import check_kernel_config, model_config_of
 
     raw = v1_args.read_raw([path, *overrides]) or {}
     lines = [registry_line()]

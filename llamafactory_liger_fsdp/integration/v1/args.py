@@ -15,9 +15,9 @@ import json
 from types import SimpleNamespace
 from typing import Any, Mapping
 
-from . import config, sharding, versions
-from .args import read_args
-from .config import LigerFsdpConfigError
+from ... import config, sharding, versions
+from ...args import read_args
+from ...config import LigerFsdpConfigError
 
 NAME = "liger_fsdp"
 KEY = "kernel_config"
@@ -175,7 +175,7 @@ def check(command: str | None, values: Mapping, cfg: config.LigerFsdpConfig | No
             f"{FIX_REMOVE} for reward modelling.")
     size = cp_size(values)
     if size > 1:  # v1 sequence parallelism: what the plugin makes exact (v1_cp_args)
-        from . import v1_cp_args
+        from . import cp_args as v1_cp_args
 
         v1_cp_args.check(command, values, size)
     dist = plugin_config(values.get("dist_config")).get("name")
@@ -185,7 +185,7 @@ def check(command: str | None, values: Mapping, cfg: config.LigerFsdpConfig | No
             f"engines (and DDP without dist_config), not `{dist}`'s sharding of the head. Fix: `dist_config: "
             f"{{name: fsdp2}}`, {FIX_REMOVE}.")
     if cfg is not None:
-        from .refusals import machine_problem
+        from ...refusals import machine_problem
 
         problem = machine_problem(cfg)
         if problem:

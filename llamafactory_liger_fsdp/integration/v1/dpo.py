@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 
-from .. import _patch, engage, forward, guard
-from ..losses import IGNORE_INDEX
-from ..preference import ld_sum
-from ..hooked import V1_DPO
+from ... import _patch, engage, forward, guard
+from ...hooked import V1_DPO
+from ...losses import IGNORE_INDEX
+from ...preference import ld_sum
 
 
 def _causal_lm(model: Any):
-    from .v1_train import unwrapped
+    from .train import unwrapped
 
     return engage.causal_lm_of(unwrapped(model))
 

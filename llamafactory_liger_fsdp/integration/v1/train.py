@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _patch, thirdparty, v1_args, wrapping
-from .._log import info_rank0
+from ... import _patch, thirdparty, wrapping
+from ..._log import info_rank0
+from . import args as v1_args
 
 
 class _Captured(Exception):
@@ -45,7 +46,7 @@ def unwrapped(model: Any) -> Any:
 def patch_compute_log_probs() -> list:
     from llamafactory.v1.core import base_trainer
 
-    from .. import engage, forward, guard
+    from ... import engage, forward, guard
 
     cls = base_trainer.BaseTrainer
     _patch.require_params(cls.compute_log_probs, ("self", "model", "batch"), "BaseTrainer.compute_log_probs")

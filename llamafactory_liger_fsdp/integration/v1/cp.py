@@ -19,8 +19,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .. import _patch, v1_args
-from .._log import info_rank0
+from ... import _patch
+from ..._log import info_rank0
+from . import args as v1_args
 
 SP_MODULE = "llamafactory.v1.plugins.model_plugins.parallelization.sequence_parallel"
 LOSS = "sequence_parallel_loss"
@@ -67,8 +68,8 @@ def fused_sequence_parallel_loss(sp: Any, model: Any, model_inputs: dict):
     import torch.nn.functional as F
     from llamafactory.v1.accelerator.interface import Dim, DistributedInterface
 
-    from .. import engage, forward
-    from .v1_train import unwrapped
+    from ... import engage, forward
+    from .train import unwrapped
 
     interface = DistributedInterface()
     inputs = {k: v.to(interface.current_device, non_blocking=True) for k, v in model_inputs.items()
@@ -92,8 +93,8 @@ def patch(model: Any) -> list:
         return []
     import torch.distributed.nn  # noqa: F401  (the autograd all_gather)
 
-    from .. import engage, forward, guard
-    from .v1_train import unwrapped
+    from ... import engage, forward, guard
+    from .train import unwrapped
 
     sp = importlib.import_module(SP_MODULE)
     mapping, key, where = _slot(sp)
