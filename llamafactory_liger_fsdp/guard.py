@@ -171,8 +171,9 @@ def hold(check: Check, causal_lm, family, batch: dict, labels: torch.Tensor, *, 
             _unchecked(step, check.what, f"a batch with image inputs cannot be cut, and its fp32 logits would exceed "
                                          f"{guard_slice.LOGITS_BUDGET / 2**30:.0f} GiB")
             return True
-        original, replacement = check.windowed(piece)
-        window = (piece.rows, piece.start, piece.end)
+        if too_big:  # this rank's own batch (another rank's may be text, cut as usual, or small enough to run whole)
+            original, replacement = check.windowed(piece)
+            window = (piece.rows, piece.start, piece.end)
     b, t = labels.shape
     small = guard_slice.cut(batch, piece, b, t)
     rng = _Rng()

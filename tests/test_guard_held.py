@@ -211,3 +211,17 @@ def test_the_kernels_label_smoothing_is_held_against_the_trainers(monkeypatch, c
         else:
             cand(**make_batch(ignore_frac=0.4))
             assert "[liger_fsdp] guard: step 1 exact: model's own" in capsys.readouterr().err
+
+
+def test_a_text_rank_beside_a_rank_with_a_too_large_image_batch(monkeypatch, capsys):
+    """Another rank's image batch is too large to run whole (the all-reduce says so): this rank's text batch is still
+    cut and compared as usual, with the same number of forwards as the windowed rank."""
+    from llamafactory_liger_fsdp import guard
+
+    honest = guard._all_max
+    monkeypatch.setattr(guard, "_all_max", lambda values, device: [v if i != 2 else 1.0 for i, v in
+                                                                   enumerate(honest(values, device))])
+    _, cand = twin("llama", "mts")
+    engage(cand, backend="torch")
+    cand(**make_batch())
+    assert EXACT in capsys.readouterr().err
