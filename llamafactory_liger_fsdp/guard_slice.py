@@ -47,8 +47,9 @@ def _name(key: str) -> str:
 
 
 def text_only(batch: dict, b: int) -> bool:
-    """Every tensor is a text input with the batch's rows."""
+    """Every tensor is a text input with the batch's rows (mRoPE's (3, B, T) position ids are not)."""
     return all(_name(k) in TEXT_INPUTS and v.dim() >= 1 and v.shape[0] == b
+               and not (_name(k) == "position_ids" and v.dim() != 2)
                for k, v in batch.items() if torch.is_tensor(v))
 
 
