@@ -112,6 +112,7 @@ def _vision(**kw) -> dict:
     return dict(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4), **kw)
 
 
+# 69 lines on purpose: one branch per vision-language / MoE family's config, read top to bottom as a table.
 def _other(t: str, seed: int):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 

@@ -15,6 +15,7 @@ import os
 import sys
 
 
+# 70 lines on purpose: accelerate's state set-up replayed step by step for the CPU, in the order accelerate runs it.
 def _patch_state(state_mod):
     import inspect
 
