@@ -15,8 +15,15 @@ import os
 import sys
 
 
-# 70 lines on purpose: accelerate's state set-up replayed step by step for the CPU, in the order accelerate runs it.
 def _patch_state(state_mod):
+    """What FSDP on CPU ranks needs once accelerate's state module has loaded (four patches, each below)."""
+    _force_fsdp(state_mod)
+    _fsdp1_cpu_device()
+    _no_offload_of_full_state_dicts()
+    _leave_together()
+
+
+def _force_fsdp(state_mod):
     import inspect
 
     from accelerate.utils import DistributedType
@@ -41,7 +48,9 @@ def _patch_state(state_mod):
 
     cls.__init__ = __init__
 
-    # FSDP1 wants device_id `cpu`, accelerate passes its device `cpu:<rank>`.
+
+def _fsdp1_cpu_device():
+    """FSDP1 wants device_id `cpu`, accelerate passes its device `cpu:<rank>`."""
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -55,8 +64,10 @@ def _patch_state(state_mod):
 
     FullyShardedDataParallel.__init__ = fsdp1_init
 
-    # FSDP1 full state dicts with offload_to_cpu=True break when the params already live on the
-    # CPU (storage of size 0); on CPU ranks the offload is a no-op anyway, so turn it off.
+
+def _no_offload_of_full_state_dicts():
+    """FSDP1 full state dicts with offload_to_cpu=True break when the params already live on the CPU (storage of
+    size 0); on CPU ranks the offload is a no-op anyway, so turn it off."""
     from torch.distributed.fsdp import FullStateDictConfig
 
     fsd_init = FullStateDictConfig.__init__
@@ -67,11 +78,12 @@ def _patch_state(state_mod):
 
     FullStateDictConfig.__init__ = full_sd_init
 
-    # gloo teardown race (seen in CI): a rank that destroys its process group while the peer's
-    # gloo threads still finish the last op aborts at exit ("terminate called without an active
-    # exception", SIGABRT). LLaMA-Factory's run_exp calls destroy_process_group as the very last
-    # step of a successful run, so leave together (barrier), destroy, and skip C++ static
-    # destructors. A failing run raises before this point and keeps its exit code.
+
+def _leave_together():
+    """gloo teardown race (seen in CI): a rank that destroys its process group while the peer's gloo threads still
+    finish the last op aborts at exit ("terminate called without an active exception", SIGABRT). LLaMA-Factory's
+    run_exp calls destroy_process_group as the very last step of a successful run, so leave together (barrier),
+    destroy, and skip C++ static destructors. A failing run raises before this point and keeps its exit code."""
     import torch.distributed as dist
 
     destroy = dist.destroy_process_group
