@@ -4,6 +4,7 @@ for the guard to stop; then hands over to the next ``sitecustomize`` on the path
 import os
 import sys
 
+from llamafactory_liger_fsdp._handover import next_sitecustomize
 from llamafactory_liger_fsdp.integration.v1 import cp as v1_cp
 
 _honest = v1_cp.fused_sequence_parallel_loss
@@ -19,14 +20,4 @@ def _wrong(*args, **kwargs):
 _wrong.said = False
 v1_cp.fused_sequence_parallel_loss = _wrong
 
-_here = os.path.dirname(os.path.abspath(__file__))
-_path = sys.path[:]
-_self = sys.modules.pop("sitecustomize", None)
-sys.path[:] = [p for p in _path if os.path.abspath(p or os.curdir) != _here]
-try:
-    import sitecustomize  # noqa: F401  (the next shim's)
-except ImportError:
-    if _self is not None:
-        sys.modules["sitecustomize"] = _self
-finally:
-    sys.path[:] = _path
+next_sitecustomize(os.path.dirname(os.path.abspath(__file__)))

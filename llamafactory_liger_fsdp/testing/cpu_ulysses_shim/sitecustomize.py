@@ -3,20 +3,10 @@
 to the next ``sitecustomize`` on the path (another shim's), if there is one."""
 
 import os
-import sys
 
+from llamafactory_liger_fsdp._handover import next_sitecustomize
 from llamafactory_liger_fsdp.testing import cpu_ulysses
 
 cpu_ulysses.install()
 
-_here = os.path.dirname(os.path.abspath(__file__))
-_path = sys.path[:]
-_self = sys.modules.pop("sitecustomize", None)
-sys.path[:] = [p for p in _path if os.path.abspath(p or os.curdir) != _here]
-try:
-    import sitecustomize  # noqa: F401  (the next shim's, if any)
-except ImportError:
-    if _self is not None:
-        sys.modules["sitecustomize"] = _self
-finally:
-    sys.path[:] = _path
+next_sitecustomize(os.path.dirname(os.path.abspath(__file__)))
