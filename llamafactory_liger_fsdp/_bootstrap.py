@@ -4,7 +4,7 @@
 ``pip install -e .``) imports this module in *every* Python process of the environment: the
 ``llamafactory-cli`` parent, the torchrun workers it starts with ``FORCE_TORCHRUN=1`` and
 ``accelerate launch`` workers. So this module must stay cheap and must never break start-up:
-it imports nothing but :mod:`.hooked` (names) and only puts a finder on ``sys.meta_path``: ``python -c pass``
+it imports nothing but :mod:`.hooked` (names) and :mod:`._import_hook`, and only puts a finder on ``sys.meta_path``: ``python -c pass``
 costs about what it costs without the plugin (``bench/results/archive/hook_cost.json``; ``tests/test_bootstrap.py`` checks what it
 imports). The ``.pth`` line itself is silent where the package is gone but the line is not (pip part-way through
 reinstalling the plugin runs Python with the old line in place); any other import error is reported as site does.
@@ -26,63 +26,25 @@ parse) but the plugin is off: the keys are accepted and ignored, one log line sa
 import os
 import sys
 
+from ._import_hook import after_import
 from .hooked import MODULES as HOOKED_MODULES
 
 #: True once the finder is on ``sys.meta_path`` in this process (read by ``doctor``).
 ACTIVE = False
 
 
-class _PatchingLoader:
-    """Delegates to the real loader, then lets the integration patch the fresh module. (A plain class: ``importlib.abc``
-    would import ``importlib.resources``, ``pathlib``, ``tempfile`` and ``re`` into every Python process.)"""
+def _loaded(module) -> None:
+    from llamafactory_liger_fsdp import integration
 
-    def __init__(self, inner):
-        self._inner = inner
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._inner.exec_module(module)
-        from llamafactory_liger_fsdp import integration
-
-        integration.on_module_loaded(module.__name__, module)
-
-    def __getattr__(self, name):  # get_source, get_code, is_package, ...
-        return getattr(self._inner, name)
-
-
-class _Finder:
-    """A ``sys.meta_path`` finder that answers only for :data:`HOOKED_MODULES`."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in HOOKED_MODULES:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader)
-                return spec
-        return None
+    integration.on_module_loaded(module.__name__, module)
 
 
 def install() -> bool:
-    """Put the finder on ``sys.meta_path`` (idempotent). Returns whether the hook is active."""
+    """Put the finder on ``sys.meta_path`` (once a process); hooked modules already imported before it (rare: an
+    interactive session that imported the plugin late) are patched now. Returns whether the hook is active."""
     global ACTIVE
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    after_import("llamafactory_liger_fsdp", HOOKED_MODULES, _loaded)
     ACTIVE = True
-    # Modules already imported before the hook (rare: an interactive session that imported the
-    # plugin late) are patched now.
-    already = sorted(name for name in HOOKED_MODULES if name in sys.modules)
-    if already:
-        from llamafactory_liger_fsdp import integration
-
-        for name in already:
-            integration.on_module_loaded(name, sys.modules[name])
     return True
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import sys
 
+from .. import _import_hook
+
 FLASH = "flash_attention_2"
 SP_MODULE = "llamafactory.v1.plugins.model_plugins.parallelization.sequence_parallel"
 
@@ -173,42 +175,9 @@ PATCHERS = {
 }
 
 
-class _Loader:
-    def __init__(self, inner):
-        self._inner = inner
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._inner.exec_module(module)
-        PATCHERS[module.__name__](module)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
-class _Finder:
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in PATCHERS:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader)
-                return spec
-        return None
-
-
 def install() -> None:
     """Apply every stand-in in this process (modules not imported yet: when they are)."""
-    if any(isinstance(f, _Finder) for f in sys.meta_path):
+    if _import_hook.installed("cpu_ulysses"):
         return
     _patch_all_to_all()
-    sys.meta_path.insert(0, _Finder())
-    for name, patch in PATCHERS.items():
-        if name in sys.modules:
-            patch(sys.modules[name])
+    _import_hook.after_import("cpu_ulysses", PATCHERS, lambda module: PATCHERS[module.__name__](module))

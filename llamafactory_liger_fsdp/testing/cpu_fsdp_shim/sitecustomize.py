@@ -10,9 +10,10 @@ Test support only: tests/ (tests/support/cli.py) and bench/'s CPU runs (bench/co
 on PYTHONPATH; the package never imports it.
 """
 
-import importlib.abc
 import os
 import sys
+
+from llamafactory_liger_fsdp._import_hook import after_import
 
 
 def _patch_state(state_mod):
@@ -100,33 +101,7 @@ def _leave_together():
     dist.destroy_process_group = destroy_and_exit
 
 
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner):
-        self.inner = inner
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module):
-        self.inner.exec_module(module)
-        _patch_state(module)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "accelerate.state":
-            return None
-        for f in sys.meta_path:
-            if f is self or not hasattr(f, "find_spec"):
-                continue
-            spec = f.find_spec(name, path, target)
-            if spec is not None:
-                spec.loader = _Loader(spec.loader)
-                return spec
-        return None
-
-
-sys.meta_path.insert(0, _Finder())
+after_import("cpu_fsdp_shim", {"accelerate.state"}, _patch_state)
 
 if os.environ.get("CPU_FSDP_SHIM_SKIP_SAVE") == "1":
     # FSDP1 + PEFT modules_to_save cannot gather a full state dict on CPU/gloo (rank 0 issues a
