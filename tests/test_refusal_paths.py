@@ -208,6 +208,36 @@ def test_accelerate_launch_command_is_hooked(tmp_path, base, capsys):
     assert len(called) == 3  # another script's arguments: accelerate goes on
 
 
+@pytest.mark.parametrize("script,use_v1", [("llamafactory.v1.launcher", None), ("llamafactory.cli", "1")])
+def test_accelerate_launch_checks_a_v1_command(tmp_path, monkeypatch, capsys, script, use_v1):
+    """``accelerate launch -m llamafactory.v1.launcher sft <yaml>`` (or LLaMA-Factory's CLI under USE_V1=1): the v1
+    yaml is checked as v1's launcher checks it, before accelerate starts any process; a good one goes on."""
+    pytest.importorskip("llamafactory.v1")
+    from llamafactory_liger_fsdp import _patch
+    from llamafactory_liger_fsdp.integration import launch
+
+    monkeypatch.delenv("USE_V1", raising=False)
+    if use_v1:
+        monkeypatch.setenv("USE_V1", use_v1)
+    bad, good = tmp_path / "bad.yaml", tmp_path / "good.yaml"
+    bad.write_text("model: whatever\nkernel_config: {name: liger_fsdp, guard: false}\n")
+    good.write_text("model: whatever\nkernel_config: {name: liger_fsdp}\n")
+    called = []
+    fake = SimpleNamespace(__name__="fake_accelerate_launch", launch_command=lambda args: called.append(args))
+    launch.patch_accelerate_launch(fake)
+    try:
+        with pytest.raises(SystemExit) as done:
+            fake.launch_command(SimpleNamespace(training_script=script, module=True,
+                                                training_script_args=["sft", str(bad)]))
+        assert done.value.code == 1 and not called
+        err = capsys.readouterr().err.strip().splitlines()
+        names_key_and_fix(err[-1], "kernel_config.guard", "`kernel_config.liger_fsdp_guard`")
+        fake.launch_command(SimpleNamespace(training_script=script, module=True, training_script_args=["sft", str(good)]))
+        assert len(called) == 1
+    finally:
+        _patch.undo(fake, "launch_command")
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_refusal_in_a_rank_is_one_line_from_rank_0(monkeypatch, capsys, rank):
     for key, value in dict(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE="2", TORCHELASTIC_RUN_ID="x").items():

@@ -5,7 +5,8 @@ there is one message from rank 0, not a traceback per rank (:func:`.._log.one_me
 * ``llamafactory.launcher.launch`` -- ``llamafactory-cli train <yaml|json|--key value ...>`` (hooked module).
 * ``accelerate.commands.launch.launch_command`` -- ``accelerate launch ... -m llamafactory.launcher <args>`` (hooked
   module; the ``.pth`` hook runs in the ``accelerate`` CLI too): the training script's arguments are checked when
-  they carry a ``liger_fsdp`` key.
+  they carry a ``liger_fsdp`` key; a v1 command (``-m llamafactory.v1.launcher sft <yaml>``, or LLaMA-Factory's CLI
+  under ``USE_V1=1``) as v1's launcher checks it.
 
 What a launcher said once (the untested-versions line) is handed to its ranks for that launch only
 (:func:`.._log.handed_on`).
@@ -85,6 +86,37 @@ def _carries_our_keys(raw: Any) -> bool:
     return any(isinstance(k, str) and k.startswith("liger_fsdp") for k in values)
 
 
+def _runs_v1(args: Any, script_args: list) -> bool:
+    """A v1 training command (``sft``, ``dpo``, ...) run by v1's launcher, or by LLaMA-Factory's CLI under USE_V1."""
+    from ..args import env_enabled
+    from .v1.engine import COMMANDS
+
+    script = str(getattr(args, "training_script", "") or "")
+    return bool(script_args[:1]) and script_args[0] in COMMANDS and (
+        script.startswith("llamafactory.v1") or env_enabled("USE_V1"))
+
+
+def _precheck_v1(script_args: list) -> None:
+    from .v1 import engine as v1_engine
+
+    try:
+        v1_engine.precheck(script_args[0], script_args[1:])
+    except LigerFsdpConfigError:
+        raise
+    except Exception:  # a yaml not readable here: v1's launcher in each rank says why, the ranks check again
+        pass
+
+
+def _precheck_script(script_args: list) -> None:
+    script_args = script_args[1:] if script_args[:1] == ["train"] else script_args  # llamafactory-cli's
+    try:
+        raw = read_args(script_args)
+    except Exception:  # not arguments LLaMA-Factory reads (another script's): accelerate goes on as usual
+        return
+    if _carries_our_keys(raw):
+        precheck(raw)
+
+
 def patch_accelerate_launch(launch_module: Any) -> None:
     """``accelerate launch``: the training script's arguments checked before accelerate starts any process."""
     _patch.require_params(launch_module.launch_command, ("args",), "accelerate launch_command")
@@ -93,14 +125,11 @@ def patch_accelerate_launch(launch_module: Any) -> None:
         def launch_command(args):
             _log.new_run()
             script_args = list(getattr(args, "training_script_args", None) or [])
-            script_args = script_args[1:] if script_args[:1] == ["train"] else script_args  # llamafactory-cli's
             try:
-                raw = read_args(script_args)
-            except Exception:  # not arguments LLaMA-Factory reads (another script's): accelerate goes on as usual
-                raw = {}
-            try:
-                if _carries_our_keys(raw):
-                    precheck(raw)
+                if _runs_v1(args, script_args):
+                    _precheck_v1(script_args)
+                else:
+                    _precheck_script(script_args)
             except LigerFsdpConfigError as exc:
                 refused(exc)
             with _log.handed_on():
