@@ -3,6 +3,7 @@ DeepSpeed ZeRO-3 dtype cast, and the keys of the lines said once per run."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from .._log import info_rank0
@@ -34,3 +35,10 @@ def zero3_dtypes(model: Any) -> list:
                f"itself under ZeRO-0/1/2 (its optimizer keeps fp32 master weights; ZeRO-3's cannot take mixed dtypes): "
                f"{cast}.")
     return [undo]
+
+
+def refused(exc: Exception) -> None:
+    """A launching process's end on a refusal (either engine's launcher, ``accelerate launch``): the message, once
+    and last; exit 1."""
+    print(f"[liger_fsdp] error: {exc}", file=sys.stderr, flush=True)
+    sys.exit(1)

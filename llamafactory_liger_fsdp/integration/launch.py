@@ -22,6 +22,7 @@ from .. import _log, _patch, refusals, sharding, versions
 from ..args import read_args
 from ..checkpoint import resume
 from ..config import LigerFsdpConfigError
+from .common import refused
 
 
 def precheck(raw: Any) -> None:
@@ -52,12 +53,6 @@ def precheck(raw: Any) -> None:
     except Exception:  # config not readable here (hub id offline, ...): checked again at load time
         pass
     _log.say_once(SAID_VERSIONS, versions.note(cfg.guard))
-
-
-def refused(exc: LigerFsdpConfigError) -> None:
-    """The launching process's end: the message, once and last; exit 1."""
-    print(f"[liger_fsdp] error: {exc}", file=sys.stderr, flush=True)
-    sys.exit(1)
 
 
 def patch_launcher(launcher_module: Any) -> None:

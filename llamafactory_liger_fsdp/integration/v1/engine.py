@@ -27,9 +27,8 @@ from typing import Any
 from ... import _log, _patch, config, sharding, versions
 from ..._log import say_once
 from ...config import LigerFsdpConfigError
-from .. import launch
 from . import args as v1_args
-from ..common import SAID_DISABLED, SAID_NO_EFFECT, SAID_VERSIONS, read_model_config, zero3_dtypes
+from ..common import SAID_DISABLED, SAID_NO_EFFECT, SAID_VERSIONS, read_model_config, refused, zero3_dtypes
 
 COMMANDS = ("train", "sft", "dpo", "rm")
 _RUN: dict[str, Any] = {"config": None}  # this run's config, from get_args (reset when a run starts)
@@ -93,7 +92,7 @@ def patch_v1_launcher(launcher_module: Any) -> None:
                 try:
                     precheck(sys.argv[1], sys.argv[2:])
                 except LigerFsdpConfigError as exc:
-                    launch.refused(exc)
+                    refused(exc)
             with _log.handed_on():
                 return original()
 
