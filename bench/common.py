@@ -352,11 +352,14 @@ TWIN_SIZES = (  # (module, constant, power of s it is divided by)
     ("guard_slice", "LOGITS_BUDGET", 2))
 
 
-def twin_spec(spec: dict, s: int) -> dict:
+def twin_spec(spec: dict, s: int, keep_heads: bool = False) -> dict:
     """``spec`` (a ``MODELS`` value) with hidden, intermediate, vocabulary and head counts divided by ``s`` (the head
-    dimension stays: attention's terms then scale like the rest)."""
+    dimension stays: attention's terms then scale like the rest); ``keep_heads``: the head counts stay and the head
+    dimension is divided instead (Ulysses splits heads across the CP ranks; the [T, heads] softmax statistics then
+    scale by s, not s^2)."""
     out = dict(spec)
-    for key in ("hidden_size", "intermediate_size", "vocab_size", "num_attention_heads", "num_key_value_heads"):
+    for key in ("hidden_size", "intermediate_size", "vocab_size") + (() if keep_heads else
+                                                                      ("num_attention_heads", "num_key_value_heads")):
         out[key] = max(1, spec[key] // s)
     return out
 

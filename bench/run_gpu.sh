@@ -5,6 +5,7 @@
 #   DEPTH_ARGS="sft --cutoffs 32768 --search" bash bench/run_gpu.sh depth   # bench/depth.py (sft, dpo or vlm)
 #   SPEED_ARGS="--scenarios fsdp2_sft --runs 2" bash bench/run_gpu.sh speed # bench/speed.py
 #   V1_ARGS="--runs 2" bash bench/run_gpu.sh v1                              # bench/v1.py
+#   bash bench/run_gpu.sh v1cp   # bench/v1.py at 32 layers, cp_size 1 (V1CP_ARGS): the card's check of bench/twin_cp.py
 #   bash bench/run_gpu.sh multi                           # bench/multi_gpu_fsdp.py on every GPU of the machine
 # LIMIT (seconds, default 570) bounds the whole command, the installs included: each script gets the rest as its
 # --deadline. Wheels that the image lacks travel in .whl/ (bash bench/make_wheels.sh builds them: LLaMA-Factory's stack,
@@ -41,13 +42,18 @@ case "${1:-}" in
     timeout $((LIMIT - SECONDS)) python3 bench/bench_flce.py --deadline $((LIMIT - 30 - SECONDS)) \
       --out "$OUT/{card}_kernel3.json" ${KERNEL_ARGS:-} 2>&1 | tail -60 | tee "$OUT/kernel.log"
     ;;
-  depth|speed|v1)
+  depth|speed|v1|v1cp)
     install_stack  # the plugin's wheel is built from a commit (.whl/PLUGIN_COMMIT, recorded on the depth rows)
     keep_rows "$1"
-    work=/tmp/real_size
-    [ "$1" = v1 ] && work=/tmp/v1_bench
-    args=$([ "$1" = depth ] && echo "${DEPTH_ARGS:-sft}" || ([ "$1" = speed ] && echo "${SPEED_ARGS:-}" || echo "${V1_ARGS:-}"))
-    timeout $((LIMIT - SECONDS)) python3 "bench/$1.py" $args --out "$OUT/{card}_$1.json" --work $work \
+    work=/tmp/real_size script=$1
+    case "$1" in
+      depth) args=${DEPTH_ARGS:-sft} ;;
+      speed) args=${SPEED_ARGS:-} ;;
+      v1) args=${V1_ARGS:-} work=/tmp/v1_bench ;;
+      v1cp) script=v1 work=/tmp/v1_bench
+        args=${V1CP_ARGS:-"--layers 32 --cutoff 16384 --micro-batch 2 --variants plain-head,plugin-head --runs 1 --steps 3"} ;;
+    esac
+    timeout $((LIMIT - SECONDS)) python3 "bench/$script.py" $args --out "$OUT/{card}_$1.json" --work $work \
       --deadline $((LIMIT - 15 - SECONDS)) 2>&1 | tee "$OUT/$1.log"
     failed_logs $work
     ;;
@@ -63,7 +69,7 @@ case "${1:-}" in
       --out "$OUT/{card}x${nproc}_fsdp.json" ${MULTI_ARGS:-} 2>&1 | tee "$OUT/multi.log"
     ;;
   *)
-    echo "usage: bash bench/run_gpu.sh kernel|depth|speed|v1|multi (see the comment at the top)" >&2
+    echo "usage: bash bench/run_gpu.sh kernel|depth|speed|v1|v1cp|multi (see the comment at the top)" >&2
     exit 2
     ;;
 esac

@@ -9,7 +9,8 @@ checkpointing, normal batching): one sample of ``--cutoff`` tokens a step (answe
 ``torchrun bench/v1_launch.py``; tokens/s = the step's tokens / its time, median over the steps after the first.
 
     python bench/v1.py [--variants plain,plain-head,plugin,plugin-head(,plugin-head-lean)] [--runs 2] [--steps 5]
-                       [--cutoff 16384] [--out bench/results/{card}_v1.json] [--deadline 540] [--smoke | --twin S]
+                       [--cutoff 16384] [--layers 2] [--micro-batch 1] [--cp 1] [--out bench/results/{card}_v1.json]
+                       [--deadline 540] [--smoke | --twin S]
 
 Run r plays the variants in order on even r and reversed on odd r. --deadline S: no run starts that would end (by the
 longest run so far) more than S s after the start. --smoke: CPU plumbing check (the tiny local model, fp32, cutoff 128,
@@ -19,6 +20,12 @@ LoRA rank divided by S, bf16 and checkpointing as on the GPU, the Triton kernels
 picks (``triton_fast``), gloo; each row's ``peak_gib`` is the CPU peak times S^2 (the H200 prediction), phases and the
 live allocations at the peak likewise; rows to bench/results/cpu_twin_v1.json; no tokens/s. ``{card}`` in --out is the
 card's short name (h200, h100, ...).
+
+--layers L: the model's depth. --micro-batch M: M rows of --cutoff tokens a step. --cp N: v1's Ulysses sequence
+parallelism over N ranks (``cp_size: N``, ``cp_mode: ulysses`` as the installed v1 spells them, ``flash_attention_2``;
+on the CPU the test-only flash-attention and gloo stand-ins of llamafactory_liger_fsdp/testing/cpu_ulysses.py); under
+--twin (or with --keep-heads) the head counts stay and the head dimension is divided (Ulysses splits heads). Each rank reports its own
+peak: ``peak_gib_per_rank``, ``peak_gib`` their highest.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from common import (MODELS, ROOT, TWIN_ENV, append_row, build, card, card_key, c
                     filling_words, log_line, now, shim, tiny_assets, twin_groups, twin_lines, twin_spec,
                     versions)
 
+
 HEAD_ONLY = ["lm_head"]
 SEED = ["lm_head", "embed_tokens"]
 VARIANTS = {  # name -> (kernel_config or None, modules_to_save)
@@ -46,19 +54,21 @@ VARIANTS = {  # name -> (kernel_config or None, modules_to_save)
 }
 
 
-def assets(work: str, smoke: bool, cutoff: int, twin: int = 0) -> tuple[str, str]:
+def assets(work: str, smoke: bool, cutoff: int, twin: int = 0, layers: int = 2, keep_heads: bool = False
+           ) -> tuple[str, str]:
     """(model dir, v1 dataset yaml): the real-head model with long answers (or its twin, built on the CPU), or the
     tiny CPU assets."""
     if smoke:
         mdir = tiny_assets(os.path.join(work, "tiny"))
     elif twin:
         words = filling_words(cutoff // twin)
-        mdir = build(work, f"llama3-8b-2l-{cutoff}-twin{twin}", twin_spec(MODELS["llama3-8b"], twin), 2, rows=24,
+        mdir = build(work, f"llama3-8b-{layers}l-{cutoff}-twin{twin}{'-heads' if keep_heads else ''}",
+                     twin_spec(MODELS["llama3-8b"], twin, keep_heads), layers, rows=24,
                      answer_words=(words, words + 50), max_position=max(32768, 2 * cutoff), seed=0, device="cpu")
     else:  # answers that fill a sample
         words = filling_words(cutoff)
-        mdir = build(work, f"llama3-8b-2l-{cutoff}", MODELS["llama3-8b"], 2, rows=24, answer_words=(words, words + 500),
-                     max_position=max(32768, 2 * cutoff))
+        mdir = build(work, f"llama3-8b-{layers}l-{cutoff}", MODELS["llama3-8b"], layers, rows=24,
+                     answer_words=(words, words + 500), max_position=max(32768, 2 * cutoff))
     data = os.path.join(work, "v1_data.yaml")
     with open(data, "w") as f:
         json.dump({"tiny": {"path": os.path.join(mdir, "data", "tiny_alpaca.json"), "source": "local",
@@ -66,15 +76,30 @@ def assets(work: str, smoke: bool, cutoff: int, twin: int = 0) -> tuple[str, str
     return os.path.join(mdir, "model"), data
 
 
+def cp_keys(size: int) -> dict:
+    """v1's Ulysses keys as the installed v1 spells them: git main's top-level ``cp_size`` / ``cp_mode``, else
+    0.9.5's ``dist_config``."""
+    import dataclasses
+
+    from llamafactory.v1.config.training_args import TrainingArguments
+
+    if "cp_size" in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        return {"dist_config": {"name": "fsdp2"}, "cp_size": size, "cp_mode": "ulysses"}
+    return {"dist_config": {"name": "fsdp2", "cp_size": size, "cp_mode": "ulysses"}}
+
+
 def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
     kernel, mts = VARIANTS[variant]
     out = os.path.join(work, tag)
     s = args.twin or 1
-    cfg = dict(model=model, train_dataset=data, output_dir=out, micro_batch_size=1, cutoff_len=args.cutoff // s,
+    cfg = dict(model=model, train_dataset=data, output_dir=out, micro_batch_size=args.micro_batch,
+               cutoff_len=args.cutoff // s,
                max_steps=args.steps, learning_rate=1e-4, logging_steps=1, batching_workers=0,
                dist_config={"name": "fsdp2"},
                peft_config={"name": "lora", "r": max(1, 16 // s), "lora_alpha": max(1, 32 // s), "target_modules": "all",
                             "modules_to_save": mts})
+    if args.cp > 1:
+        cfg.update(cp_keys(args.cp), flash_attn="flash_attention_2")
     if kernel:
         cfg["kernel_config"] = dict(kernel)
         if args.twin:  # the backend the GPU's auto picks
@@ -84,18 +109,22 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
     path, result = out + ".yaml", out + ".json"
     with open(path, "w") as f:
         json.dump(cfg, f)
-    if os.path.exists(result):
-        os.remove(result)
+    for stale in [result] + [f"{result}.rank{r}" for r in range(1, args.cp)]:
+        if os.path.exists(stale):
+            os.remove(stale)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if args.smoke or args.twin:
-        env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join([shim("cpu_v1_shim"), env.get("PYTHONPATH", "")]))
+        shims = [shim("cpu_ulysses_shim")] if args.cp > 1 else []
+        env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(shims + [shim("cpu_v1_shim"),
+                                                                                env.get("PYTHONPATH", "")]))
     if args.twin:
-        env.update({TWIN_ENV: str(args.twin), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": str(os.cpu_count() or 1)})
+        env.update({TWIN_ENV: str(args.twin), "TRITON_INTERPRET": "1",
+                    "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.cp))})
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     t0 = time.time()
-    proc = subprocess.run(["torchrun", "--nproc_per_node", "1", "--master_port", port,
+    proc = subprocess.run(["torchrun", "--nproc_per_node", str(args.cp), "--master_port", port,
                            os.path.join(ROOT, "bench", "v1_launch.py"), "sft", path, result],
                           capture_output=True, text=True, env=env, timeout=args.timeout)
     log = proc.stdout + proc.stderr
@@ -103,6 +132,7 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
         f.write(log)
     row = {"model": os.path.basename(os.path.dirname(model)), "variant": variant, "scenario": "v1_fsdp2_sft",
            "engine": "v1", "modules_to_save": mts, "cutoff_len": args.cutoff, "steps": args.steps,
+           "layers": args.layers, "micro_batch_size": args.micro_batch, "cp_size": args.cp,
            "rc": proc.returncode, "wall_s": round(time.time() - t0, 1), "engaged": log_line(log, "[liger_fsdp] engaged"),
            "guard": log_line(log, "[liger_fsdp] guard"), "log": out + ".log"}
     if proc.returncode != 0 or not os.path.exists(result):
@@ -110,7 +140,10 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
         return row
     res = json.load(open(result))
     steps = res["steps"]
-    row.update(fits=True, peak_gib=max(st["peak_mib"] for st in steps) / 1024 * s**2,  # the steps' peak
+    ranks = [res] + [json.load(open(f"{result}.rank{r}")) for r in range(1, args.cp)
+                     if os.path.exists(f"{result}.rank{r}")]
+    per_rank = [max(st["peak_mib"] for st in r["steps"]) / 1024 * s**2 for r in ranks]
+    row.update(fits=True, peak_gib=max(per_rank), peak_gib_per_rank=per_rank,  # the steps' peak, each rank's
                setup_peak_gib=steps[0].get("before_peak_mib", 0.0) / 1024 * s**2,  # before step 1
                step_losses=[st["loss"] for st in steps])
     if args.twin:  # predictions: CPU bytes times s^2
@@ -140,13 +173,18 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--twin", type=int, default=0, help="the CPU memory twin at this scale (8: 1/64 of the memory)")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers")
+    ap.add_argument("--micro-batch", type=int, default=1, help="rows of --cutoff tokens a step (micro_batch_size)")
+    ap.add_argument("--cp", type=int, default=1, help="Ulysses cp_size (that many ranks)")
+    ap.add_argument("--keep-heads", action="store_true", help="--twin: keep the head counts, divide the head "
+                    "dimension (always so with --cp > 1)")
     args = ap.parse_args()
     if args.smoke:
         args.cutoff, args.steps, args.twin = min(args.cutoff, 128), min(args.steps, 2), 0
     out = args.out or (os.path.join(args.work, "smoke.json") if args.smoke else
                        os.path.join(ROOT, "bench", "results", "cpu_twin_v1.json" if args.twin else "{card}_v1.json"))
     os.makedirs(args.work, exist_ok=True)
-    model, data = assets(args.work, args.smoke, args.cutoff, args.twin)
+    model, data = assets(args.work, args.smoke, args.cutoff, args.twin, args.layers, args.keep_heads or args.cp > 1)
     start, longest = time.time(), 0.0
     variants = args.variants.split(",")
     meta = {"date": now(), "card": "cpu" if args.twin else card(), "versions": versions(), "smoke": args.smoke,

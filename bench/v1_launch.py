@@ -3,7 +3,8 @@ memory callback:
 
     torchrun --nproc_per_node N bench/v1_launch.py sft|dpo cfg.yaml result.json
 
-Per optimizer step, on rank 0: wall time (device-synchronised), the peak of ``torch.cuda.max_memory_allocated()`` in
+Per optimizer step, on every rank (rank 0 to ``result.json``, rank r > 0 to ``result.json.rank<r>``): wall time
+(device-synchronised), the peak of ``torch.cuda.max_memory_allocated()`` in
 the step (reset at each step's start; 0 on the CPU) and before it (``before_peak_mib``; at step 1: the set-up), the step loss v1 logs (unrounded) and the tokens the step's
 micro-batches hold (``attention_mask`` != 0, counted in ``compute_loss``). v1's final ``save_model`` is skipped
 (benchmark only). The plugin is active the way it is for ``llamafactory-cli``: its ``.pth`` (or the activation
@@ -87,9 +88,9 @@ def main() -> None:
         trainer.fit()
     if twin:
         extra["live_at_peak"], extra["live_at_setup"] = twin_peaks(AllocationTimeline(profiler), steps)
-    if DistributedInterface().get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump({"steps": steps, **extra}, f)
+    rank = DistributedInterface().get_rank()
+    with open(out_path if rank == 0 else f"{out_path}.rank{rank}", "w") as f:  # every rank its own peaks
+        json.dump({"steps": steps, **extra}, f)
     DistributedInterface().destroy()
 
 

@@ -1,0 +1,217 @@
+"""The CPU memory twin of LLaMA-Factory v1 SFT under Ulysses sequence parallelism: each rank's peak on an H200 for the
+32-layer Llama-3-8B shape, v1's own loss (``plain``) against the plugin's, at cp_size 1/2/4/8.
+
+    python bench/twin_cp.py [--scale 16] [--cps 1,2,4,8] [--tokens 131072,262144] [--depths 1,2] [--check-depth 4]
+                            [--check-tokens 131072] [--extra 1:32768] [--lock /tmp/llf-heavy.lock]
+                            [--runs-out bench/results/cpu_twin_cp_runs.json] [--out bench/results/cpu_twin_cp.json]
+                            [--chart bench/results/cpu_twin_cp.png] [--table]
+
+Method. Each twin run is ``bench/v1.py --twin S --cp N`` (one variant, one process tree, under ``--lock`` if given, so
+other work interleaves): v1 really trains on N CPU gloo ranks -- v1's Ulysses all-to-all, padding and split, its FSDP2
+over the N ranks, v1's ``sequence_parallel_loss`` (plain) or the plugin's fused CP loss -- with flash-attention 2 stood
+in by the CPU's scaled-dot-product flash kernel (blockwise: no T x T scores; its [heads, T] fp32 statistics and the
+backward's fp32 buffers are what it holds beyond a GPU's kernel). Every rank's allocations are profiled; a rank's peak
+times S^2 is its H200 prediction (bench/common.py, "the CPU memory twin"). Hidden, intermediate, vocabulary, tokens and
+LoRA rank are divided by S; the head counts stay (32 / 8, divisible by cp 8) and the head dimension is divided.
+Setup as bench/results/h200_v1.json's: LoRA r16 on every linear layer + ``modules_to_save: [lm_head]``, bf16, v1's
+activation checkpointing, 2 rows of tokens/2 a step (``micro_batch_size: 2``: LLaMA-Factory 0.9.5's v1 needs >= 2
+under CP), 2 steps (the guard's step 1 and a step with Adam's states).
+
+A 32-layer model at 128k tokens is too much for two shared cores, so depth is extrapolated: under activation
+checkpointing the peak is affine in depth (each layer adds its checkpointed input, its weights and LoRA states, all
+sharded or split over the CP ranks), so the twin runs ``--depths`` d1 < d2 and the 32-layer peak is
+p(d2) + (p(d2) - p(d1)) / (d2 - d1) x (32 - d2), per rank (the ranks' highest). ``--check-depth`` runs a third depth at
+cp 1 (``--check-tokens``) and reports the extrapolation's residual there (``depth_check``). ``--extra CP:TOKENS`` adds
+rows at other points (1:32768: the largest count where v1 plain fits a 32-layer H200 at cp 1, for a card to check).
+
+Rows (``{"rows": [...]}``, one per cp_size x tokens x variant): ``peak_gib_per_rank`` (the 32-layer H200 prediction),
+``fits`` (it within ``H200_GIB``), the depths' predictions, the per-layer increment; ``measured_peak_gib_per_rank`` and
+``card`` only where a card measured the same point. The raw twin runs go to ``--runs-out`` (kept: a rerun skips the
+runs it holds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from common import ROOT, commit, dump_json, load_rows, now
+
+V1 = os.path.join(ROOT, "bench", "v1.py")
+VARIANTS = {"plain": "plain-head", "plugin": "plugin-head"}  # bench/v1.py's variants: modules_to_save [lm_head]
+LAYERS = 32
+H200_GIB = 139.0  # 143771 MiB (140.4 GiB) less the CUDA context and the allocator's slack
+MICRO_BATCH = 2
+
+
+def key(r: dict) -> tuple:
+    return r["cp_size"], r["cutoff_len"] * r["micro_batch_size"], r["layers"], r["variant"]
+
+
+def twin_run(args, cp: int, tokens: int, depth: int, variant: str) -> dict:
+    """One ``bench/v1.py --twin`` run (under ``args.lock``); its row, appended to ``args.runs_out``."""
+    cmd = [sys.executable, V1, "--twin", str(args.scale), "--cp", str(cp), "--layers", str(depth), "--cutoff",
+           str(tokens // MICRO_BATCH), "--micro-batch", str(MICRO_BATCH), "--steps", str(args.steps), "--runs", "1",
+           "--variants", VARIANTS[variant], "--keep-heads", "--work", args.work, "--out", args.runs_out,
+           "--timeout", str(args.timeout), "--deadline", str(10 * args.timeout)]
+    if args.lock:
+        cmd = ["flock", args.lock] + cmd
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    print(proc.stdout.strip().splitlines()[-3] if proc.returncode == 0 else proc.stderr[-2000:], flush=True)
+    rows = [r for r in load_rows(args.runs_out) if r.get("twin") == args.scale and key(r) == (cp, tokens, depth,
+                                                                                               VARIANTS[variant])]
+    if not rows:
+        raise SystemExit(f"twin run cp {cp}, {tokens} tokens, {depth} layers, {variant} left no row:\n"
+                         f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return rows[-1]
+
+
+def measured(args, cp: int, tokens: int, depth: int, variant: str) -> dict:
+    """The twin run of this point: the one ``--runs-out`` holds, else a new one."""
+    held = [r for r in load_rows(args.runs_out) if r.get("twin") == args.scale and r.get("fits") is not None
+            and key(r) == (cp, tokens, depth, VARIANTS[variant])]
+    return held[-1] if held else twin_run(args, cp, tokens, depth, variant)
+
+
+def extrapolate(p1: float, p2: float, d1: int, d2: int, depth: int = LAYERS) -> float:
+    return p2 + (p2 - p1) / (d2 - d1) * (depth - d2)
+
+
+def cards(path: str) -> dict:
+    """(cp_size, tokens, variant) -> (peak GiB, card) of the card rows in ``path`` (bench/v1.py's rows, 32 layers)."""
+    out = {}
+    for r in load_rows(path):
+        if r.get("layers") == LAYERS and r.get("fits") and not r.get("smoke") and r.get("variant") in VARIANTS.values():
+            variant = next(k for k, v in VARIANTS.items() if v == r["variant"])
+            point = (r.get("cp_size", 1), r["cutoff_len"] * r.get("micro_batch_size", 1), variant)
+            out[point] = (r["peak_gib"], r["card"])
+    return out
+
+
+def chart(rows: list, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, tokens in zip(axes, (131072, 262144)):
+        picked = [r for r in rows if r["tokens"] == tokens]
+        cps = sorted({r["cp_size"] for r in picked})
+        for i, (variant, color) in enumerate((("plain", "tab:gray"), ("plugin", "tab:blue"))):
+            peaks = [next(r["peak_gib_per_rank"] for r in picked if r["cp_size"] == cp and r["variant"] == variant)
+                     for cp in cps]
+            xs = [j + (i - 0.5) * 0.38 for j in range(len(cps))]
+            ax.bar(xs, peaks, 0.38, color=color, label="v1 plain" if variant == "plain" else "plugin")
+            for x, p in zip(xs, peaks):
+                ax.text(x, p + 2, f"{p:.0f}", ha="center", fontsize=8)
+        ax.axhline(H200_GIB, color="tab:red", lw=1, ls="--", label=f"H200 ({H200_GIB:.0f} GiB)")
+        ax.set_xticks(range(len(cps)), [f"cp {cp}" for cp in cps])
+        ax.set_title(f"{tokens // 1024}k tokens a step")
+        ax.set_ylim(0, min(max(r["peak_gib_per_rank"] for r in rows) * 1.1, 3 * H200_GIB))
+    axes[0].set_ylabel("predicted peak GiB per rank (H200)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Llama-3-8B, 32 layers, v1 SFT under Ulysses: CPU memory twin", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", type=int, default=32)
+    ap.add_argument("--cps", default="1,2,4,8")
+    ap.add_argument("--tokens", default="131072,262144", help="tokens a step (2 rows of half each)")
+    ap.add_argument("--depths", default="1,2", help="the two depths the twin runs (extrapolated to 32)")
+    ap.add_argument("--check-depth", type=int, default=4, help="a third depth at cp 1 (0: none)")
+    ap.add_argument("--check-tokens", type=int, default=131072)
+    ap.add_argument("--extra", default="1:32768", help="more CP:TOKENS points ('' for none)")
+    ap.add_argument("--variants", default="plain,plugin")
+    ap.add_argument("--anchors", default="2:131072,1:32768", help="CP:TOKENS points where the plugin also runs the "
+                    "second depth (elsewhere plain's per-layer increment at the same point stands in)")
+    ap.add_argument("--check-variants", default="plain")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--lock", default=None, help="a flock file each twin run holds (not the sweep)")
+    ap.add_argument("--timeout", type=float, default=1500.0, help="seconds a twin run may take")
+    ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "twin_cp"))
+    ap.add_argument("--runs-out", default=os.path.join(ROOT, "bench", "results", "cpu_twin_cp_runs.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "cpu_twin_cp.json"))
+    ap.add_argument("--cards", default=os.path.join(ROOT, "bench", "results", "h200_v1.json"),
+                    help="card rows of bench/v1.py (32 layers) to set beside the predictions")
+    ap.add_argument("--chart", default=None, help="a PNG of the rows")
+    ap.add_argument("--table", action="store_true", help="print the table of --out; run nothing")
+    args = ap.parse_args()
+    if args.table:
+        return print_table(load_rows(args.out))
+    os.makedirs(args.work, exist_ok=True)
+    d1, d2 = map(int, args.depths.split(","))
+    points = [(int(cp), int(t)) for cp in args.cps.split(",") for t in args.tokens.split(",")]
+    points += [tuple(map(int, p.split(":"))) for p in args.extra.split(",") if p]
+    variants = args.variants.split(",")
+    anchors = {tuple(map(int, p.split(":"))) for p in args.anchors.split(",") if p}
+    card_rows, rows = cards(args.cards), []
+    for cp, tokens in points:
+        runs = {}  # variant -> the twin runs at (d1, d2) (d2 None where the plain slope stands in)
+        for variant in ["plain"] + [v for v in variants if v != "plain"]:  # plain's increment stands in for others
+            both = variant == "plain" or (cp, tokens) in anchors
+            runs[variant] = [measured(args, cp, tokens, d, variant) if d == d1 or both else None for d in (d1, d2)]
+        for variant in variants:
+            (p1, p2), (b1, b2) = runs[variant], runs["plain"]
+            own = p2 is not None
+            row = dict(cp_size=cp, tokens=tokens, variant=variant, layers=LAYERS, modules_to_save=["lm_head"],
+                       micro_batch_size=MICRO_BATCH, twin=args.scale, depths=[d1, d2] if own else [d1],
+                       per_layer_from=variant if own else "plain")
+            failed = [r for r in (p1, p2, b1, b2) if r is not None and not r.get("fits")]
+            if failed:
+                row.update(error=failed[0].get("error"))
+                rows.append(row)
+                continue
+            s1, s2 = (p1, p2) if own else (b1, b2)
+            slope = [(b - a) / (d2 - d1) for a, b in zip(s1["peak_gib_per_rank"], s2["peak_gib_per_rank"])]
+            per_rank = [q + k * (LAYERS - d1) for q, k in zip(p1["peak_gib_per_rank"], slope)]
+            row.update(peak_gib_per_rank=max(per_rank), fits=max(per_rank) <= H200_GIB, card_gib=H200_GIB,
+                       ranks_gib=per_rank, depth_peaks_gib=[p1["peak_gib"]] + ([p2["peak_gib"]] if own else []),
+                       per_layer_gib=max(slope), engaged=p1.get("engaged"), guard=p1.get("guard"),
+                       step_losses=p1.get("step_losses"))
+            if own and variant != "plain" and b2 is not None:  # the decoder stack's increment, seen by both
+                row["plain_per_layer_gib"] = (b2["peak_gib"] - b1["peak_gib"]) / (d2 - d1)
+            if (cp, tokens, variant) in card_rows:
+                row["measured_peak_gib_per_rank"], row["card"] = card_rows[(cp, tokens, variant)]
+            rows.append(row)
+    checks = []
+    if args.check_depth:
+        for variant in args.check_variants.split(","):
+            p1, p2, p3 = (measured(args, 1, args.check_tokens, d, variant) for d in (d1, d2, args.check_depth))
+            if all(p.get("fits") for p in (p1, p2, p3)):
+                predicted = extrapolate(p1["peak_gib"], p2["peak_gib"], d1, d2, args.check_depth)
+                checks.append(dict(variant=variant, cp_size=1, tokens=args.check_tokens, depth=args.check_depth,
+                                   twin_gib=p3["peak_gib"], extrapolated_gib=predicted,
+                                   residual_gib=predicted - p3["peak_gib"]))
+    meta = dict(date=now(), commit=commit(), twin=args.scale, depths=[d1, d2], h200_gib=H200_GIB,
+                method="bench/twin_cp.py's docstring; bench/RESULTS.md section 14")
+    dump_json(args.out, {"rows": rows, "depth_check": checks, "meta": meta})
+    print_table(rows, checks)
+    if args.chart:
+        chart([r for r in rows if "peak_gib_per_rank" in r and r["tokens"] in (131072, 262144)], args.chart)
+    print(f"rows written to {args.out}")
+
+
+def print_table(rows: list, checks: list = ()) -> None:
+    print(f"{'cp':>3} {'tokens':>7} {'plain GiB':>10} {'plugin GiB':>10} {'ratio':>6}  fits (plain/plugin)")
+    for cp, tokens in sorted({(r["cp_size"], r["tokens"]) for r in rows}, key=lambda p: (p[1], p[0])):
+        got = {r["variant"]: r for r in rows if (r["cp_size"], r["tokens"]) == (cp, tokens)}
+        plain, plugin = (got.get(v, {}).get("peak_gib_per_rank") for v in ("plain", "plugin"))
+        ratio = f"{plugin / plain:6.2f}" if plain and plugin else f"{'-':>6}"
+        fits = "/".join(str(got.get(v, {}).get("fits", "-")) for v in ("plain", "plugin"))
+        print(f"{cp:>3} {tokens:>7} {plain or 0:>10.2f} {plugin or 0:>10.2f} {ratio}  {fits}")
+    for c in checks:
+        print(f"depth check, {c['variant']}, cp 1, {c['tokens']} tokens, {c['depth']} layers: twin {c['twin_gib']:.2f} "
+              f"GiB, extrapolated {c['extrapolated_gib']:.2f} GiB (residual {c['residual_gib']:+.2f})")
+
+
+if __name__ == "__main__":
+    main()
