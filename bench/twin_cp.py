@@ -19,10 +19,15 @@ under CP), 2 steps (the guard's step 1 and a step with Adam's states).
 
 A 32-layer model at 128k tokens is too much for two shared cores, so depth is extrapolated: under activation
 checkpointing the peak is affine in depth (each layer adds its checkpointed input, its weights and LoRA states, all
-sharded or split over the CP ranks), so the twin runs ``--depths`` d1 < d2 and the 32-layer peak is
-p(d2) + (p(d2) - p(d1)) / (d2 - d1) x (32 - d2), per rank (the ranks' highest). ``--check-depth`` runs a third depth at
-cp 1 (``--check-tokens``) and reports the extrapolation's residual there (``depth_check``). ``--extra CP:TOKENS`` adds
-rows at other points (1:32768: the largest count where v1 plain fits a 32-layer H200 at cp 1, for a card to check).
+sharded or split over the CP ranks). The twin runs ``--depths`` d1 < d2; each rank's 32-layer peak is its peak at d1
+plus 32 - d1 times the per-layer increment k = (P1(d2) - P1(d1)) / (d2 - d1), P1 the step-1 peak (the ranks'
+highest). Step 1 because it is the same on every rank to 0.1 GiB, where step 2's peak (Adam's states now live) moves by
+up to ~1.5 GiB between ranks and runs with the gloo ranks' timing: 31 x that noise would swamp k. Step 2 adds LoRA's
+Adam states per layer (1.3M parameters x 8 bytes / cp at GPU size), which k leaves out. The plugin's own k is measured
+at ``--anchors`` (it runs both depths there); elsewhere plain's k at the same point stands in (the decoder stack is the
+same). ``--check-depth`` runs a third depth at cp 1 (``--check-tokens``) and reports the extrapolation's residual there
+(``depth_check``). ``--extra CP:TOKENS`` adds rows at other points (1:32768: v1 plain fits a 32-layer H200 at cp 1
+there, so a card can check the twin: ``bash bench/run_gpu.sh v1cp``).
 
 Rows (``{"rows": [...]}``, one per cp_size x tokens x variant): ``peak_gib_per_rank`` (the 32-layer H200 prediction),
 ``fits`` (it within ``H200_GIB``), the depths' predictions, the per-layer increment; ``measured_peak_gib_per_rank`` and
@@ -73,13 +78,15 @@ def twin_run(args, cp: int, tokens: int, depth: int, variant: str) -> dict:
 
 def measured(args, cp: int, tokens: int, depth: int, variant: str) -> dict:
     """The twin run of this point: the one ``--runs-out`` holds, else a new one."""
-    held = [r for r in load_rows(args.runs_out) if r.get("twin") == args.scale and r.get("fits") is not None
-            and key(r) == (cp, tokens, depth, VARIANTS[variant])]
+    held = [r for r in load_rows(args.runs_out) if r.get("twin") == args.scale and key(r) == (cp, tokens, depth,
+                                                                                              VARIANTS[variant])]
     return held[-1] if held else twin_run(args, cp, tokens, depth, variant)
 
 
-def extrapolate(p1: float, p2: float, d1: int, d2: int, depth: int = LAYERS) -> float:
-    return p2 + (p2 - p1) / (d2 - d1) * (depth - d2)
+def increment(r1: dict, r2: dict, layers: int) -> float:
+    """The per-layer increment between two twin runs: of their step-1 peaks (the ranks' highest)."""
+    first = [max(p[0] for p in r["step_peaks_gib_per_rank"]) for r in (r1, r2)]
+    return (first[1] - first[0]) / layers
 
 
 def cards(path: str) -> dict:
@@ -170,15 +177,14 @@ def main() -> None:
                 row.update(error=failed[0].get("error"))
                 rows.append(row)
                 continue
-            s1, s2 = (p1, p2) if own else (b1, b2)
-            slope = [(b - a) / (d2 - d1) for a, b in zip(s1["peak_gib_per_rank"], s2["peak_gib_per_rank"])]
-            per_rank = [q + k * (LAYERS - d1) for q, k in zip(p1["peak_gib_per_rank"], slope)]
+            slope = increment(*((p1, p2) if own else (b1, b2)), d2 - d1)
+            per_rank = [q + slope * (LAYERS - d1) for q in p1["peak_gib_per_rank"]]
             row.update(peak_gib_per_rank=max(per_rank), fits=max(per_rank) <= H200_GIB, card_gib=H200_GIB,
                        ranks_gib=per_rank, depth_peaks_gib=[p1["peak_gib"]] + ([p2["peak_gib"]] if own else []),
-                       per_layer_gib=max(slope), engaged=p1.get("engaged"), guard=p1.get("guard"),
+                       per_layer_gib=slope, engaged=p1.get("engaged"), guard=p1.get("guard"),
                        step_losses=p1.get("step_losses"))
             if own and variant != "plain" and b2 is not None:  # the decoder stack's increment, seen by both
-                row["plain_per_layer_gib"] = (b2["peak_gib"] - b1["peak_gib"]) / (d2 - d1)
+                row["plain_per_layer_gib"] = increment(b1, b2, d2 - d1)
             if (cp, tokens, variant) in card_rows:
                 row["measured_peak_gib_per_rank"], row["card"] = card_rows[(cp, tokens, variant)]
             rows.append(row)
@@ -187,7 +193,7 @@ def main() -> None:
         for variant in args.check_variants.split(","):
             p1, p2, p3 = (measured(args, 1, args.check_tokens, d, variant) for d in (d1, d2, args.check_depth))
             if all(p.get("fits") for p in (p1, p2, p3)):
-                predicted = extrapolate(p1["peak_gib"], p2["peak_gib"], d1, d2, args.check_depth)
+                predicted = p1["peak_gib"] + increment(p1, p2, d2 - d1) * (args.check_depth - d1)
                 checks.append(dict(variant=variant, cp_size=1, tokens=args.check_tokens, depth=args.check_depth,
                                    twin_gib=p3["peak_gib"], extrapolated_gib=predicted,
                                    residual_gib=predicted - p3["peak_gib"]))

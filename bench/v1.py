@@ -25,7 +25,7 @@ card's short name (h200, h100, ...).
 parallelism over N ranks (``cp_size: N``, ``cp_mode: ulysses`` as the installed v1 spells them, ``flash_attention_2``;
 on the CPU the test-only flash-attention and gloo stand-ins of llamafactory_liger_fsdp/testing/cpu_ulysses.py); under
 --twin (or with --keep-heads) the head counts stay and the head dimension is divided (Ulysses splits heads). Each rank reports its own
-peak: ``peak_gib_per_rank``, ``peak_gib`` their highest.
+peak: ``peak_gib_per_rank`` (``step_peaks_gib_per_rank``: each step's), ``peak_gib`` their highest.
 """
 
 from __future__ import annotations
@@ -142,8 +142,10 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
     steps = res["steps"]
     ranks = [res] + [json.load(open(f"{result}.rank{r}")) for r in range(1, args.cp)
                      if os.path.exists(f"{result}.rank{r}")]
-    per_rank = [max(st["peak_mib"] for st in r["steps"]) / 1024 * s**2 for r in ranks]
+    steps_per_rank = [[st["peak_mib"] / 1024 * s**2 for st in r["steps"]] for r in ranks]
+    per_rank = [max(peaks) for peaks in steps_per_rank]
     row.update(fits=True, peak_gib=max(per_rank), peak_gib_per_rank=per_rank,  # the steps' peak, each rank's
+               step_peaks_gib_per_rank=steps_per_rank,
                setup_peak_gib=steps[0].get("before_peak_mib", 0.0) / 1024 * s**2,  # before step 1
                step_losses=[st["loss"] for st in steps])
     if args.twin:  # predictions: CPU bytes times s^2

@@ -16,6 +16,7 @@ CPU memory in it, with its phases and the live allocations at the run's peak (``
 """
 
 import contextlib
+import gc
 import inspect
 import json
 import os
@@ -52,6 +53,8 @@ def main() -> None:
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, **kwargs):
+            if twin:  # the twin: what reference cycles still hold from the last step goes now, not at random
+                gc.collect()
             self.before = 0.0  # the peak since the last step (at step 1: the set-up), in the step's row
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
