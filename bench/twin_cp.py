@@ -1,7 +1,7 @@
 """The CPU memory twin of LLaMA-Factory v1 SFT under Ulysses sequence parallelism: each rank's peak on an H200 for the
 32-layer Llama-3-8B shape, v1's own loss (``plain``) against the plugin's, at cp_size 1/2/4/8.
 
-    python bench/twin_cp.py [--scale 16] [--cps 1,2,4,8] [--tokens 131072,262144] [--depths 1,2] [--check-depth 4]
+    python bench/twin_cp.py [--scale 32] [--cps 1,2,4,8] [--tokens 131072,262144] [--depths 2,4] [--check-depth 8]
                             [--check-tokens 131072] [--extra 1:32768] [--lock /tmp/llf-heavy.lock]
                             [--runs-out bench/results/cpu_twin_cp_runs.json] [--out bench/results/cpu_twin_cp.json]
                             [--chart bench/results/cpu_twin_cp.png] [--table]
@@ -18,16 +18,16 @@ activation checkpointing, 2 rows of tokens/2 a step (``micro_batch_size: 2``: LL
 under CP), 2 steps (the guard's step 1 and a step with Adam's states).
 
 A 32-layer model at 128k tokens is too much for two shared cores, so depth is extrapolated: under activation
-checkpointing the peak is affine in depth (each layer adds its checkpointed input, its weights and LoRA states, all
-sharded or split over the CP ranks). The twin runs ``--depths`` d1 < d2; each rank's 32-layer peak is its peak at d1
-plus 32 - d1 times the per-layer increment k = (P1(d2) - P1(d1)) / (d2 - d1), P1 the step-1 peak (the ranks'
-highest). Step 1 because it is the same on every rank to 0.1 GiB, where step 2's peak (Adam's states now live) moves by
-up to ~1.5 GiB between ranks and runs with the gloo ranks' timing: 31 x that noise would swamp k. Step 2 adds LoRA's
-Adam states per layer (1.3M parameters x 8 bytes / cp at GPU size), which k leaves out. The plugin's own k is measured
-at ``--anchors`` (it runs both depths there); elsewhere plain's k at the same point stands in (the decoder stack is the
-same). ``--check-depth`` runs a third depth at cp 1 (``--check-tokens``) and reports the extrapolation's residual there
-(``depth_check``). ``--extra CP:TOKENS`` adds rows at other points (1:32768: v1 plain fits a 32-layer H200 at cp 1
-there, so a card can check the twin: ``bash bench/run_gpu.sh v1cp``).
+checkpointing the peak is affine in depth -- each layer adds its weights and LoRA states (FSDP2 shards them over the
+cp ranks) and its checkpointed input (T/cp tokens a rank under Ulysses), so a rank's increment per layer is the one at
+cp 1 divided by cp. The twin runs ``--depths`` d1 < d2; the per-layer increment k is (P1(d2) - P1(d1)) / (d2 - d1) of
+v1 plain at cp 1 (P1: the step-1 peak; one rank, so no gloo timing in it), and each rank's 32-layer peak is its peak
+at d1 plus (32 - d1) x k / cp. On several gloo ranks a rank's peak moves by up to a few GiB with the ranks' timing
+(which rank waits in which collective while what is live): 31 x that, as a per-layer increment, would swamp k; the
+increment measured at cp > 1 itself (plain everywhere, the plugin at ``--anchors``) is kept in each row
+(``measured_per_layer_gib``) to show it. ``--check-depth`` runs a third depth at cp 1 (``--check-tokens``) and reports
+the extrapolation's residual there (``depth_check``). ``--extra CP:TOKENS`` adds rows at other points (1:32768: v1
+plain fits a 32-layer H200 at cp 1 there, so a card can check the twin: ``bash bench/run_gpu.sh v1cp``).
 
 Rows (``{"rows": [...]}``, one per cp_size x tokens x variant): ``peak_gib_per_rank`` (the 32-layer H200 prediction),
 ``fits`` (it within ``H200_GIB``), the depths' predictions, the per-layer increment; ``measured_peak_gib_per_rank`` and
@@ -133,13 +133,13 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=32)
     ap.add_argument("--cps", default="1,2,4,8")
     ap.add_argument("--tokens", default="131072,262144", help="tokens a step (2 rows of half each)")
-    ap.add_argument("--depths", default="1,2", help="the two depths the twin runs (extrapolated to 32)")
-    ap.add_argument("--check-depth", type=int, default=4, help="a third depth at cp 1 (0: none)")
+    ap.add_argument("--depths", default="2,4", help="the two depths the twin runs (extrapolated to 32)")
+    ap.add_argument("--check-depth", type=int, default=8, help="a third depth at cp 1 (0: none)")
     ap.add_argument("--check-tokens", type=int, default=131072)
     ap.add_argument("--extra", default="1:32768", help="more CP:TOKENS points ('' for none)")
     ap.add_argument("--variants", default="plain,plugin")
     ap.add_argument("--anchors", default="2:131072,1:32768", help="CP:TOKENS points where the plugin also runs the "
-                    "second depth (elsewhere plain's per-layer increment at the same point stands in)")
+                    "second depth (its own increment, shown beside the rows')")
     ap.add_argument("--check-variants", default="plain")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--lock", default=None, help="a flock file each twin run holds (not the sweep)")
@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "twin_cp"))
     ap.add_argument("--runs-out", default=os.path.join(ROOT, "bench", "results", "cpu_twin_cp_runs.json"))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "cpu_twin_cp.json"))
-    ap.add_argument("--cards", default=os.path.join(ROOT, "bench", "results", "h200_v1.json"),
+    ap.add_argument("--cards", default=os.path.join(ROOT, "bench", "results", "h200_v1cp.json"),
                     help="card rows of bench/v1.py (32 layers) to set beside the predictions")
     ap.add_argument("--chart", default=None, help="a PNG of the rows")
     ap.add_argument("--table", action="store_true", help="print the table of --out; run nothing")
@@ -162,29 +162,24 @@ def main() -> None:
     anchors = {tuple(map(int, p.split(":"))) for p in args.anchors.split(",") if p}
     card_rows, rows = cards(args.cards), []
     for cp, tokens in points:
-        runs = {}  # variant -> the twin runs at (d1, d2) (d2 None where the plain slope stands in)
-        for variant in ["plain"] + [v for v in variants if v != "plain"]:  # plain's increment stands in for others
-            both = variant == "plain" or (cp, tokens) in anchors
-            runs[variant] = [measured(args, cp, tokens, d, variant) if d == d1 or both else None for d in (d1, d2)]
+        # the per-layer increment: plain's at cp 1 (one rank, no gloo timing), divided by cp
+        k1 = increment(*(measured(args, 1, tokens, d, "plain") for d in (d1, d2)), d2 - d1)
         for variant in variants:
-            (p1, p2), (b1, b2) = runs[variant], runs["plain"]
-            own = p2 is not None
+            both = variant == "plain" or (cp, tokens) in anchors  # where the increment at cp is measured too
+            p1, p2 = (measured(args, cp, tokens, d, variant) if d == d1 or both else None for d in (d1, d2))
             row = dict(cp_size=cp, tokens=tokens, variant=variant, layers=LAYERS, modules_to_save=["lm_head"],
-                       micro_batch_size=MICRO_BATCH, twin=args.scale, depths=[d1, d2] if own else [d1],
-                       per_layer_from=variant if own else "plain")
-            failed = [r for r in (p1, p2, b1, b2) if r is not None and not r.get("fits")]
+                       micro_batch_size=MICRO_BATCH, twin=args.scale, depth=d1, per_layer_gib=k1 / cp)
+            failed = [r for r in (p1, p2) if r is not None and not r.get("fits")]
             if failed:
                 row.update(error=failed[0].get("error"))
                 rows.append(row)
                 continue
-            slope = increment(*((p1, p2) if own else (b1, b2)), d2 - d1)
-            per_rank = [q + slope * (LAYERS - d1) for q in p1["peak_gib_per_rank"]]
+            per_rank = [q + k1 / cp * (LAYERS - d1) for q in p1["peak_gib_per_rank"]]
             row.update(peak_gib_per_rank=max(per_rank), fits=max(per_rank) <= H200_GIB, card_gib=H200_GIB,
-                       ranks_gib=per_rank, depth_peaks_gib=[p1["peak_gib"]] + ([p2["peak_gib"]] if own else []),
-                       per_layer_gib=slope, engaged=p1.get("engaged"), guard=p1.get("guard"),
-                       step_losses=p1.get("step_losses"))
-            if own and variant != "plain" and b2 is not None:  # the decoder stack's increment, seen by both
-                row["plain_per_layer_gib"] = increment(b1, b2, d2 - d1)
+                       ranks_gib=per_rank, depth_peak_gib=p1["peak_gib"], engaged=p1.get("engaged"),
+                       guard=p1.get("guard"), step_losses=p1.get("step_losses"))
+            if p2 is not None:  # the increment seen at this cp itself (step-1 peaks, the ranks' highest)
+                row["measured_per_layer_gib"] = increment(p1, p2, d2 - d1)
             if (cp, tokens, variant) in card_rows:
                 row["measured_peak_gib_per_rank"], row["card"] = card_rows[(cp, tokens, variant)]
             rows.append(row)
