@@ -21,18 +21,18 @@ A 32-layer model at 128k tokens is too much for two shared cores, so depth is ex
 checkpointing the peak is affine in depth -- each layer adds its weights and LoRA states (FSDP2 shards them over the
 cp ranks) and its checkpointed input (T/cp tokens a rank under Ulysses), so a rank's increment per layer is the one at
 cp 1 divided by cp. The twin runs ``--depths`` d1 < d2; the per-layer increment k is (P1(d2) - P1(d1)) / (d2 - d1) of
-v1 plain at cp 1 (P1: the step-1 peak; one rank, so no gloo timing in it), and each rank's 32-layer peak is its peak
-at d1 plus (32 - d1) x k / cp. On several gloo ranks a rank's peak moves by up to a few GiB with the ranks' timing
-(which rank waits in which collective while what is live): 31 x that, as a per-layer increment, would swamp k; the
-increment measured at cp > 1 itself (plain everywhere, the plugin at ``--anchors``) is kept in each row
-(``measured_per_layer_gib``) to show it. ``--check-depth`` runs a third depth at cp 1 (``--check-tokens``) and reports
-the extrapolation's residual there (``depth_check``). ``--extra CP:TOKENS`` adds rows at other points (1:32768: v1
-plain fits a 32-layer H200 at cp 1 there, so a card can check the twin: ``bash bench/run_gpu.sh v1cp``).
+v1 plain at cp 1 (P1: the step-1 peak; one rank, so no gloo timing in it); each rank's 32-layer peak is the mean, over
+d = d1 and d2, of its peak at d plus (32 - d) x k / cp (``from_depths_gib``: the ranks' highest from each). On several
+gloo ranks a rank's peak moves by up to a few GiB with the ranks' timing (which rank waits in which collective while
+what is live): as a per-layer increment, x 30, that would swamp k; the increment measured at cp itself is kept in each
+row (``measured_per_layer_gib``) to show it. ``--check-depth`` runs a third depth at cp 1 (``--check-tokens``) and
+reports the extrapolation's residual there (``depth_check``). ``--extra CP:TOKENS`` adds rows at other points (1:32768:
+v1 plain fits a 32-layer H200 at cp 1 there, so a card can check the twin: ``bash bench/run_gpu.sh v1cp``).
 
 Rows (``{"rows": [...]}``, one per cp_size x tokens x variant): ``peak_gib_per_rank`` (the 32-layer H200 prediction),
-``fits`` (it within ``H200_GIB``), the depths' predictions, the per-layer increment; ``measured_peak_gib_per_rank`` and
-``card`` only where a card measured the same point. The raw twin runs go to ``--runs-out`` (kept: a rerun skips the
-runs it holds).
+``fits`` (it within ``H200_GIB``), each rank's (``ranks_gib``), the per-layer increment; ``measured_peak_gib_per_rank``
+and ``card`` only where a card measured the same point. The raw twin runs go to ``--runs-out`` (kept: a rerun skips
+the runs it holds).
 """
 
 from __future__ import annotations
@@ -138,8 +138,6 @@ def main() -> None:
     ap.add_argument("--check-tokens", type=int, default=131072)
     ap.add_argument("--extra", default="1:32768", help="more CP:TOKENS points ('' for none)")
     ap.add_argument("--variants", default="plain,plugin")
-    ap.add_argument("--anchors", default="2:131072,1:32768", help="CP:TOKENS points where the plugin also runs the "
-                    "second depth (its own increment, shown beside the rows')")
     ap.add_argument("--check-variants", default="plain")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--lock", default=None, help="a flock file each twin run holds (not the sweep)")
@@ -159,27 +157,27 @@ def main() -> None:
     points = [(int(cp), int(t)) for cp in args.cps.split(",") for t in args.tokens.split(",")]
     points += [tuple(map(int, p.split(":"))) for p in args.extra.split(",") if p]
     variants = args.variants.split(",")
-    anchors = {tuple(map(int, p.split(":"))) for p in args.anchors.split(",") if p}
     card_rows, rows = cards(args.cards), []
     for cp, tokens in points:
         # the per-layer increment: plain's at cp 1 (one rank, no gloo timing), divided by cp
         k1 = increment(*(measured(args, 1, tokens, d, "plain") for d in (d1, d2)), d2 - d1)
         for variant in variants:
-            both = variant == "plain" or (cp, tokens) in anchors  # where the increment at cp is measured too
-            p1, p2 = (measured(args, cp, tokens, d, variant) if d == d1 or both else None for d in (d1, d2))
+            p1, p2 = (measured(args, cp, tokens, d, variant) for d in (d1, d2))
             row = dict(cp_size=cp, tokens=tokens, variant=variant, layers=LAYERS, modules_to_save=["lm_head"],
-                       micro_batch_size=MICRO_BATCH, twin=args.scale, depth=d1, per_layer_gib=k1 / cp)
-            failed = [r for r in (p1, p2) if r is not None and not r.get("fits")]
+                       micro_batch_size=MICRO_BATCH, twin=args.scale, depths=[d1, d2], per_layer_gib=k1 / cp)
+            failed = [r for r in (p1, p2) if not r.get("fits")]
             if failed:
                 row.update(error=failed[0].get("error"))
                 rows.append(row)
                 continue
-            per_rank = [q + k1 / cp * (LAYERS - d1) for q in p1["peak_gib_per_rank"]]
+            # each rank: from either depth, then their mean (two runs: the ranks' timing moves each a little)
+            by_depth = [[q + k1 / cp * (LAYERS - d) for q in r["peak_gib_per_rank"]] for r, d in ((p1, d1), (p2, d2))]
+            per_rank = [(a + b) / 2 for a, b in zip(*by_depth)]
             row.update(peak_gib_per_rank=max(per_rank), fits=max(per_rank) <= H200_GIB, card_gib=H200_GIB,
-                       ranks_gib=per_rank, depth_peak_gib=p1["peak_gib"], engaged=p1.get("engaged"),
-                       guard=p1.get("guard"), step_losses=p1.get("step_losses"))
-            if p2 is not None:  # the increment seen at this cp itself (step-1 peaks, the ranks' highest)
-                row["measured_per_layer_gib"] = increment(p1, p2, d2 - d1)
+                       ranks_gib=per_rank, from_depths_gib=[max(by_depth[0]), max(by_depth[1])],
+                       depth_peaks_gib=[p1["peak_gib"], p2["peak_gib"]],
+                       measured_per_layer_gib=increment(p1, p2, d2 - d1),
+                       engaged=p1.get("engaged"), guard=p1.get("guard"), step_losses=p1.get("step_losses"))
             if (cp, tokens, variant) in card_rows:
                 row["measured_peak_gib_per_rank"], row["card"] = card_rows[(cp, tokens, variant)]
             rows.append(row)
