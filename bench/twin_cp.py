@@ -21,7 +21,7 @@ A 32-layer model at 128k tokens is too much for two shared cores, so depth is ex
 checkpointing the peak is affine in depth -- each layer adds its weights and LoRA states (FSDP2 shards them over the
 cp ranks) and its checkpointed input (T/cp tokens a rank under Ulysses), so a rank's increment per layer is the one at
 cp 1 divided by cp. The twin runs ``--depths`` d1 < d2; the per-layer increment k is (P1(d2) - P1(d1)) / (d2 - d1) of
-v1 plain at cp 1 (P1: the step-1 peak; one rank, so no gloo timing in it); each rank's 32-layer peak is the mean, over
+the same variant at cp 1 (P1: the step-1 peak; one rank, so no gloo timing in it); each rank's 32-layer peak is the mean, over
 d = d1 and d2, of its peak at d plus (32 - d) x k / cp (``from_depths_gib``: the ranks' highest from each). On several
 gloo ranks a rank's peak moves by up to a few GiB with the ranks' timing (which rank waits in which collective while
 what is live): as a per-layer increment, x 30, that would swamp k; the increment measured at cp itself is kept in each
@@ -159,9 +159,9 @@ def main() -> None:
     variants = args.variants.split(",")
     card_rows, rows = cards(args.cards), []
     for cp, tokens in points:
-        # the per-layer increment: plain's at cp 1 (one rank, no gloo timing), divided by cp
-        k1 = increment(*(measured(args, 1, tokens, d, "plain") for d in (d1, d2)), d2 - d1)
         for variant in variants:
+            # the per-layer increment: the variant's own at cp 1 (one rank, no gloo timing), divided by cp
+            k1 = increment(*(measured(args, 1, tokens, d, variant) for d in (d1, d2)), d2 - d1)
             p1, p2 = (measured(args, cp, tokens, d, variant) for d in (d1, d2))
             row = dict(cp_size=cp, tokens=tokens, variant=variant, layers=LAYERS, modules_to_save=["lm_head"],
                        micro_batch_size=MICRO_BATCH, twin=args.scale, depths=[d1, d2], per_layer_gib=k1 / cp)
