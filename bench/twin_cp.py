@@ -21,8 +21,9 @@ A 32-layer model at 128k tokens is too much for two shared cores, so depth is ex
 checkpointing the peak is affine in depth -- each layer adds its weights and LoRA states (FSDP2 shards them over the
 cp ranks) and its checkpointed input (T/cp tokens a rank under Ulysses), so a rank's increment per layer is the one at
 cp 1 divided by cp. The twin runs ``--depths`` d1 < d2; the per-layer increment k is (P1(d2) - P1(d1)) / (d2 - d1) of
-the same variant at cp 1 (P1: the step-1 peak; one rank, so no gloo timing in it); each rank's 32-layer peak is the mean, over
-d = d1 and d2, of its peak at d plus (32 - d) x k / cp (``from_depths_gib``: the ranks' highest from each). On several
+the same variant at cp 1 (P1: the step-1 peak; one rank, so no gloo timing in it); each rank's 32-layer peak is the
+mean, over d = d1 and d2, of its peak at d plus (32 - d) x k / cp (``from_depths_gib``: the ranks' highest from each).
+On several
 gloo ranks a rank's peak moves by up to a few GiB with the ranks' timing (which rank waits in which collective while
 what is live): as a per-layer increment, x 30, that would swamp k; the increment measured at cp itself is kept in each
 row (``measured_per_layer_gib``) to show it. ``--check-depth`` runs a third depth at cp 1 (``--check-tokens``) and
