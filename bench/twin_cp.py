@@ -18,17 +18,17 @@ activation checkpointing, 2 rows of tokens/2 a step (``micro_batch_size: 2``: LL
 under CP), 2 steps (the guard's step 1 and a step with Adam's states).
 
 A 32-layer model at 128k tokens is too much for two shared cores, so depth is extrapolated: under activation
-checkpointing the peak is affine in depth -- each layer adds its weights and LoRA states (FSDP2 shards them over the
-cp ranks) and its checkpointed input (T/cp tokens a rank under Ulysses), so a rank's increment per layer is the one at
-cp 1 divided by cp. The twin runs ``--depths`` d1 < d2; the per-layer increment k is (P1(d2) - P1(d1)) / (d2 - d1) of
-the same variant at cp 1 (P1: the step-1 peak; one rank, so no gloo timing in it); each rank's 32-layer peak is the
-mean, over d = d1 and d2, of its peak at d plus (32 - d) x k / cp (``from_depths_gib``: the ranks' highest from each).
-On several
-gloo ranks a rank's peak moves by up to a few GiB with the ranks' timing (which rank waits in which collective while
-what is live): as a per-layer increment, x 30, that would swamp k; the increment measured at cp itself is kept in each
-row (``measured_per_layer_gib``) to show it. ``--check-depth`` runs a third depth at cp 1 (``--check-tokens``) and
-reports the extrapolation's residual there (``depth_check``). ``--extra CP:TOKENS`` adds rows at other points (1:32768:
-v1 plain fits a 32-layer H200 at cp 1 there, so a card can check the twin: ``bash bench/run_gpu.sh v1cp``).
+checkpointing the peak is affine in depth -- each layer adds its weights and LoRA states (FSDP2 shards them over the cp
+ranks) and its checkpointed input (T/cp tokens a rank under Ulysses), so a rank's increment per layer is the one at cp 1
+divided by cp. The twin runs ``--depths`` d1 < d2; the per-layer increment k is (P1(d2) - P1(d1)) / (d2 - d1) of the
+same variant at cp 1 (P1: the step-1 peak; one rank, so no gloo timing in it); each rank's 32-layer peak is the mean,
+over d = d1 and d2, of its peak at d plus (32 - d) x k / cp (``from_depths_gib``: the ranks' highest from each). On
+several gloo ranks a rank's peak moves by up to a few GiB with the ranks' timing (which rank waits in which collective
+while what is live): as a per-layer increment, x 30, that would swamp k; the increment measured at cp itself is kept in
+each row (``measured_per_layer_gib``) to show it. ``--one-depth T``: from T tokens on, cp > 1 runs d1 only (time).
+``--check-depth`` runs a third depth at cp 1 (``--check-tokens``) and reports the extrapolation's residual there
+(``depth_check``). ``--extra CP:TOKENS`` adds rows at other points (1:32768: v1 plain fits a 32-layer H200 at cp 1
+there, so a card can check the twin: ``bash bench/run_gpu.sh v1cp``).
 
 Rows (``{"rows": [...]}``, one per cp_size x tokens x variant): ``peak_gib_per_rank`` (the 32-layer H200 prediction),
 ``fits`` (it within ``H200_GIB``), each rank's (``ranks_gib``), the per-layer increment; ``measured_peak_gib_per_rank``
@@ -139,6 +139,8 @@ def main() -> None:
     ap.add_argument("--check-tokens", type=int, default=131072)
     ap.add_argument("--extra", default="1:32768", help="more CP:TOKENS points ('' for none)")
     ap.add_argument("--variants", default="plain,plugin")
+    ap.add_argument("--one-depth", type=int, default=0, help="from this many tokens on, cp > 1 runs --depths' first "
+                    "only (the cp 1 runs that give the increment still run both)")
     ap.add_argument("--check-variants", default="plain")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--lock", default=None, help="a flock file each twin run holds (not the sweep)")
@@ -163,22 +165,24 @@ def main() -> None:
         for variant in variants:
             # the per-layer increment: the variant's own at cp 1 (one rank, no gloo timing), divided by cp
             k1 = increment(*(measured(args, 1, tokens, d, variant) for d in (d1, d2)), d2 - d1)
-            p1, p2 = (measured(args, cp, tokens, d, variant) for d in (d1, d2))
+            depths = [d1] if cp > 1 and args.one_depth and tokens >= args.one_depth else [d1, d2]
+            runs = [measured(args, cp, tokens, d, variant) for d in depths]
             row = dict(cp_size=cp, tokens=tokens, variant=variant, layers=LAYERS, modules_to_save=["lm_head"],
-                       micro_batch_size=MICRO_BATCH, twin=args.scale, depths=[d1, d2], per_layer_gib=k1 / cp)
-            failed = [r for r in (p1, p2) if not r.get("fits")]
+                       micro_batch_size=MICRO_BATCH, twin=args.scale, depths=depths, per_layer_gib=k1 / cp)
+            failed = [r for r in runs if not r.get("fits")]
             if failed:
                 row.update(error=failed[0].get("error"))
                 rows.append(row)
                 continue
             # each rank: from either depth, then their mean (two runs: the ranks' timing moves each a little)
-            by_depth = [[q + k1 / cp * (LAYERS - d) for q in r["peak_gib_per_rank"]] for r, d in ((p1, d1), (p2, d2))]
-            per_rank = [(a + b) / 2 for a, b in zip(*by_depth)]
+            by_depth = [[q + k1 / cp * (LAYERS - d) for q in r["peak_gib_per_rank"]] for r, d in zip(runs, depths)]
+            per_rank = [sum(qs) / len(qs) for qs in zip(*by_depth)]
             row.update(peak_gib_per_rank=max(per_rank), fits=max(per_rank) <= H200_GIB, card_gib=H200_GIB,
-                       ranks_gib=per_rank, from_depths_gib=[max(by_depth[0]), max(by_depth[1])],
-                       depth_peaks_gib=[p1["peak_gib"], p2["peak_gib"]],
-                       measured_per_layer_gib=increment(p1, p2, d2 - d1),
-                       engaged=p1.get("engaged"), guard=p1.get("guard"), step_losses=p1.get("step_losses"))
+                       ranks_gib=per_rank, from_depths_gib=[max(q) for q in by_depth],
+                       depth_peaks_gib=[r["peak_gib"] for r in runs], engaged=runs[0].get("engaged"),
+                       guard=runs[0].get("guard"), step_losses=runs[0].get("step_losses"))
+            if len(runs) == 2:
+                row["measured_per_layer_gib"] = increment(*runs, d2 - d1)
             if (cp, tokens, variant) in card_rows:
                 row["measured_peak_gib_per_rank"], row["card"] = card_rows[(cp, tokens, variant)]
             rows.append(row)
