@@ -168,12 +168,13 @@ def check(command: str | None, values: Mapping, cfg: config.LigerFsdpConfig | No
     rank); with ``cfg`` also what this machine cannot run (:func:`.refusals.machine_problem`, as on the default
     engine)."""
     versions.refuse_too_old(f"`{KEY}.name: {NAME}`", FIX_REMOVE)
-    if command == "rm" or values.get("model_class") == "cls":
+    size = cp_size(values)
+    if (command == "rm" or values.get("model_class") == "cls") and size <= 1:  # under CP: the CP part (cp_rm)
         raise LigerFsdpConfigError(
             f"`{KEY}.name: {NAME}` computes log-probs over the vocabulary through lm_head; v1's reward-model trainer "
             f"(`rm`, model_class cls) replaces lm_head by a one-logit score head, so there is nothing to fuse. Fix: "
-            f"{FIX_REMOVE} for reward modelling.")
-    size = cp_size(values)
+            f"{FIX_REMOVE} for reward modelling (with `cp_size` > 1 the plugin gathers the scores across the CP "
+            f"group).")
     if size > 1:  # v1 sequence parallelism: what the plugin makes exact (v1_cp_args)
         from . import cp_args as v1_cp_args
 

@@ -1,13 +1,14 @@
 """What the plugin takes of v1's sequence parallelism (``cp_size > 1``), decided from the yaml alone (the launching
 process and every rank, through :func:`.v1_args.check`). Imports no torch.
 
-Exact and tested (:mod:`.integration.v1_cp`): SFT, Ulysses, v1's FSDP2 (0.9.5's ``dist_config: {name: fsdp2,
+Exact and tested (:mod:`.cp`, :mod:`.cp_rm`): SFT and RM, Ulysses, v1's FSDP2 (0.9.5's ``dist_config: {name: fsdp2,
 cp_size, cp_mode}``, git main's top-level ``cp_size`` / ``cp_mode``). Everything else under CP is refused here, once,
 before the ranks start.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +17,7 @@ from ...config import LigerFsdpConfigError
 
 NAME, KEY = "liger_fsdp", "kernel_config"
 FIX_REMOVE = f"or remove `{NAME}` from `{KEY}.name`"
+RM_MODULE = "llamafactory.v1.trainers.rm_trainer"  # loaded by `llamafactory-cli rm` before its arguments are parsed
 
 
 def _dist(values: Mapping) -> dict:
@@ -38,11 +40,10 @@ def positions_from_one() -> bool:
 def check(command: str | None, values: Mapping, size: int) -> None:
     """Refuse every sequence-parallel setting the plugin does not make exact (``size`` = the run's ``cp_size``)."""
     key = "cp_size" if values.get("cp_size") not in (None, 1) else "dist_config.cp_size"
-    if command in ("dpo", "rm") or values.get("model_class") == "cls":
+    if command == "dpo":
         raise LigerFsdpConfigError(
-            f"`{key}: {size}` with `{KEY}.name: {NAME}` in a {command or 'reward'} run: the plugin's sequence "
-            f"parallelism covers v1 SFT (LLaMA-Factory's own DPO and RM trainers refuse cp_size > 1 too). Fix: "
-            f"`{key}: 1`, {FIX_REMOVE}.")
+            f"`{key}: {size}` with `{KEY}.name: {NAME}` in a dpo run: the plugin's sequence parallelism covers v1 SFT "
+            f"and RM (LLaMA-Factory's own DPO trainer refuses cp_size > 1 too). Fix: `{key}: 1`, {FIX_REMOVE}.")
     mode = str(_first(values, "cp_mode", "ulysses"))
     if mode != "ulysses":
         mode_key = "cp_mode" if values.get("cp_mode") not in (None, "ulysses") else "dist_config.cp_mode"
@@ -55,7 +56,9 @@ def check(command: str | None, values: Mapping, size: int) -> None:
             f"`{key}: {size}` with `dist_config.name: {dist}` and `{KEY}.name: {NAME}`: the plugin's sequence "
             f"parallelism is exact and tested under v1's FSDP2. Fix: `dist_config: {{name: fsdp2}}`, {FIX_REMOVE}.")
     micro = values.get("micro_batch_size")
-    if (micro is None or int(micro) == 1) and positions_from_one():
+    # RMTrainer numbers the pair rows' positions from 0 itself (a rank knows its command by the trainer module loaded)
+    rm = command == "rm" or (command is None and RM_MODULE in sys.modules)
+    if (micro is None or int(micro) == 1) and positions_from_one() and not rm:
         default, found = " (v1's default)" if micro is None else "", versions.installed("llamafactory")
         raise LigerFsdpConfigError(
             f"`micro_batch_size: 1`{default} with `{key}: {size}` on LLaMA-Factory {found}: its "

@@ -11,7 +11,7 @@ Always (hooked modules, :mod:`...hooked`):
   engages the model (:func:`engage_v1`).
 
 Once a model engaged: :mod:`.v1_train` (``BaseTrainer.compute_log_probs``, v1's FSDP2 ``fully_shard``) and, in a DPO
-run, :mod:`.v1_dpo`.
+run, :mod:`.v1_dpo`. A score-head model of an RM run under CP is not engaged: :mod:`.cp_rm` takes its loss.
 """
 
 from __future__ import annotations
@@ -181,6 +181,12 @@ def engage_v1(model: Any, kernel_config: Any = None):
                                 "run trains as without the plugin.")
         return model
     causal_lm = engage.causal_lm_of(model)
+    from . import cp as v1_cp
+    from . import cp_rm as v1_cp_rm
+
+    if causal_lm.get_output_embeddings() is None and v1_cp_rm.rm_run() and v1_cp.cp_size() > 1:
+        engage.record_undo(model, v1_cp_rm.patch(model, cfg))  # RM under CP: the CP part only (a score head)
+        return model
     if causal_lm.get_output_embeddings() is None:
         raise LigerFsdpConfigError(
             f"`{v1_args.KEY}.name: {v1_args.NAME}`: {type(causal_lm).__name__} has no output embedding (lm_head), so "
@@ -194,9 +200,7 @@ def engage_v1(model: Any, kernel_config: Any = None):
     # process-wide patches, held by every engaged model: undone when the last one disengages
     engage.hold(model, "v1 compute_log_probs", v1_train.patch_compute_log_probs)
     engage.hold(model, "v1 DPOTrainer", lambda: v1_dpo.patch(cfg))  # a DPO run (its trainer module is loaded) only
-    from . import cp as v1_cp  # Ulysses sequence parallelism (cp_size > 1) only
-
-    engage.record_undo(model, v1_cp.patch(model))
+    engage.record_undo(model, v1_cp.patch(model))  # Ulysses sequence parallelism (cp_size > 1) only
     if getattr(cfg.sharding, "kind", None) == sharding.FSDP2:
         engage.hold(model, "v1 fully_shard", v1_train.patch_fully_shard)
     if getattr(cfg.sharding, "kind", None) == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:

@@ -1,0 +1,60 @@
+"""What the plugin takes and refuses of v1's preference trainers under sequence parallelism, decided from the yaml
+(fast tier): RM at cp_size > 1 is taken (the scores gathered across the CP group, :mod:`.integration.v1.cp_rm`), RM
+at cp_size 1 stays refused (a one-logit score head: nothing to fuse), DPO under CP is refused with the key and the
+fix, and an RM run is not held to the micro-batch-1 refusal of 0.9.5's SFT positions."""
+
+import pytest
+
+from llamafactory_liger_fsdp.config import LigerFsdpConfigError
+from llamafactory_liger_fsdp.integration.v1 import args as v1_args
+from llamafactory_liger_fsdp.integration.v1 import cp_args as v1_cp_args
+
+BASE = {"kernel_config": {"name": "liger_fsdp"}, "micro_batch_size": 2}
+CP = [{"dist_config": {"name": "fsdp2", "cp_size": 2, "cp_mode": "ulysses"}},  # 0.9.5
+      {"dist_config": {"name": "fsdp2"}, "cp_size": 2, "cp_mode": "ulysses"}]  # git main
+
+
+@pytest.mark.parametrize("values", CP)
+def test_rm_under_cp_is_taken(values):
+    v1_args.check("rm", {**BASE, **values})
+    v1_args.check(None, {**BASE, **values, "model_class": "cls"})
+
+
+@pytest.mark.parametrize("command, values", [("rm", {}), (None, {"model_class": "cls"})])
+def test_rm_at_cp_1_stays_refused(command, values):
+    with pytest.raises(LigerFsdpConfigError) as err:
+        v1_args.check(command, {**BASE, **values})
+    msg = str(err.value)
+    assert "one-logit score head, so there is nothing to fuse" in msg and "Fix: or remove `liger_fsdp` from " \
+        "`kernel_config.name` for reward modelling (with `cp_size` > 1 the plugin gathers the scores" in msg, msg
+
+
+@pytest.mark.parametrize("values, key", [(CP[0], "dist_config.cp_size"), (CP[1], "cp_size")])
+def test_dpo_under_cp_refused(values, key):
+    with pytest.raises(LigerFsdpConfigError) as err:
+        v1_args.check("dpo", {**BASE, **values})
+    assert str(err.value) == (
+        f"`{key}: 2` with `kernel_config.name: liger_fsdp` in a dpo run: the plugin's sequence parallelism covers v1 "
+        f"SFT and RM (LLaMA-Factory's own DPO trainer refuses cp_size > 1 too). Fix: `{key}: 1`, or remove "
+        "`liger_fsdp` from `kernel_config.name`.")
+
+
+@pytest.mark.parametrize("values, expected", [
+    ({"dist_config": {"name": "deepspeed", "cp_size": 2}}, "`dist_config.name: deepspeed`"),
+    ({"dist_config": {"name": "fsdp2", "cp_size": 2, "cp_mode": "ring"}}, "`dist_config.cp_mode: ring`"),
+])
+def test_rm_under_cp_keeps_the_cp_refusals(values, expected):
+    with pytest.raises(LigerFsdpConfigError) as err:
+        v1_args.check("rm", {**BASE, **values})
+    assert expected in str(err.value) and "Fix:" in str(err.value), str(err.value)
+
+
+def test_rm_not_held_to_the_micro_batch_1_refusal(monkeypatch):
+    """0.9.5's SFT positions start at 1 (a pad of position 0 looks packed); RMTrainer numbers its own from 0."""
+    real = v1_cp_args.versions.installed
+    monkeypatch.setattr(v1_cp_args.versions, "installed",
+                        lambda name: "0.9.5" if name == "llamafactory" else real(name))
+    values = {**BASE, "micro_batch_size": 1, **CP[0]}
+    with pytest.raises(LigerFsdpConfigError, match=r"`micro_batch_size: 1` with `dist_config.cp_size: 2`"):
+        v1_args.check("sft", values)
+    v1_args.check("rm", values)
