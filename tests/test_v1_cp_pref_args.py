@@ -58,3 +58,9 @@ def test_rm_not_held_to_the_micro_batch_1_refusal(monkeypatch):
     with pytest.raises(LigerFsdpConfigError, match=r"`micro_batch_size: 1` with `dist_config.cp_size: 2`"):
         v1_args.check("sft", values)
     v1_args.check("rm", values)
+
+
+def test_doctor_line_names_rm_and_dpo():
+    line = v1_cp_args.doctor_line({**BASE, **CP[1], "flash_attn": "flash_attention_2"}, 2)
+    assert "`llamafactory-cli rm`: the score head's scores of each shard gathered across the CP group" in line, line
+    assert "`llamafactory-cli dpo` is refused under CP" in line and "needs `flash_attn" not in line

@@ -70,7 +70,9 @@ def check(command: str | None, values: Mapping, size: int) -> None:
 def doctor_line(values: Mapping, size: int) -> str:
     """What ``doctor`` says of a CP yaml the plugin takes."""
     line = (f"sequence parallelism: Ulysses, cp_size {size}: v1's sequence_parallel_loss from the fused kernel on each "
-            f"rank's 1/{size} of every sequence (no [N/{size}, V] logits), held against v1's own on the first step.")
+            f"rank's 1/{size} of every sequence (no [N/{size}, V] logits), held against v1's own on the first step; "
+            f"`llamafactory-cli rm`: the score head's scores of each shard gathered across the CP group, held against "
+            f"RMTrainer.compute_loss at cp_size 1; `llamafactory-cli dpo` is refused under CP.")
     if values.get("flash_attn") != "flash_attention_2":
         line += (" LLaMA-Factory needs `flash_attn: flash_attention_2` for cp_size > 1 (it stops before step 1 "
                  "without it).")
