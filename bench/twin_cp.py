@@ -116,12 +116,13 @@ def chart(rows: list, path: str) -> None:
                      for cp in cps]
             xs = [j + (i - 0.5) * 0.38 for j in range(len(cps))]
             ax.bar(xs, peaks, 0.38, color=color, label="v1 plain" if variant == "plain" else "plugin")
-            for x, p in zip(xs, peaks):
-                ax.text(x, p + 2, f"{p:.0f}", ha="center", fontsize=8)
+            top = min(max(r["peak_gib_per_rank"] for r in rows) * 1.1, 3 * H200_GIB)
+            for x, p in zip(xs, peaks):  # a bar past the axis carries its value at the top
+                ax.text(x, min(p, top * 0.95) + 2, f"{p:.0f}", ha="center", fontsize=8)
         ax.axhline(H200_GIB, color="tab:red", lw=1, ls="--", label=f"H200 ({H200_GIB:.0f} GiB)")
         ax.set_xticks(range(len(cps)), [f"cp {cp}" for cp in cps])
         ax.set_title(f"{tokens // 1024}k tokens a step")
-        ax.set_ylim(0, min(max(r["peak_gib_per_rank"] for r in rows) * 1.1, 3 * H200_GIB))
+        ax.set_ylim(0, top)
     axes[0].set_ylabel("predicted peak GiB per rank (H200)")
     axes[0].legend(fontsize=8)
     fig.suptitle("Llama-3-8B, 32 layers, v1 SFT under Ulysses: CPU memory twin", fontsize=10)
