@@ -168,8 +168,6 @@ def test_ulysses_sft_under_fsdp2_is_taken(values):
 
 
 @pytest.mark.parametrize("command, values, expected", [
-    ("dpo", {"dist_config": {"name": "fsdp2", "cp_size": 2}},
-     "`dist_config.cp_size: 2` with `kernel_config.name: liger_fsdp` in a dpo run"),
     ("sft", {"dist_config": {"name": "fsdp2", "cp_size": 2, "cp_mode": "ring"}}, "`dist_config.cp_mode: ring`"),
     ("sft", {"dist_config": {"name": "fsdp2"}, "cp_size": 2, "cp_mode": "ring"}, "`cp_mode: ring`"),
     ("sft", {"dist_config": {"name": "deepspeed", "cp_size": 2}}, "`dist_config.name: deepspeed`"),

@@ -1,4 +1,4 @@
-"""LLaMA-Factory v1's reward-model trainer under Ulysses sequence parallelism with the plugin, on CPU ranks (the
+"""LLaMA-Factory v1's reward-model and DPO trainers under Ulysses sequence parallelism with the plugin, on CPU ranks (the
 flash-attention and gloo stand-ins of ``llamafactory_liger_fsdp.testing.cpu_ulysses``; the all-to-all, padding and
 split are v1's own).
 
@@ -12,6 +12,12 @@ is zero. Each CP run shows that every rank
 received half of every pair row, that the model was sharded over both ranks, and that the guard held
 ``RMTrainer.compute_loss`` at cp_size 1 against the plugin's loss; a 1% error injected into that loss is stopped at
 step 1 on every rank.
+
+DPO (git main only; 0.9.5's v1 has no DPO trainer): sigmoid, LoRA + ``modules_to_save: [lm_head]`` (LoRA as the
+reference), 2 rows a micro-batch: cp_size 2 with the plugin against cp_size 1 with the plugin (itself held against
+LLaMA-Factory's own at cp_size 1 by test_v1_dist.py): losses, the trained head and the adapter within 1e-5 (each
+tensor within 1e-4), split as above, the guard holding LLaMA-Factory's own DPOTrainer.compute_loss at cp_size 1
+against the CP loss.
 """
 
 import re
@@ -91,3 +97,36 @@ def test_guard_stops_a_one_percent_error_in_the_cp_rm_loss(assets, tmp_path):
     assert all(abs(float(f) / float(a) - 1.01) < 1e-4 for _, a, f in found), found
     assert "Fix: set `cp_size: 1`" in log and "(`liger_fsdp_guard: false` skips the check)" in log
     assert "trainer_log.jsonl" not in {p.name for p in out.iterdir()}
+
+
+@pytest.mark.slow
+def test_dpo_at_cp2_trains_as_at_cp1(assets, tmp_path):
+    from llamafactory.v1.trainers import dpo_trainer
+
+    if not hasattr(dpo_trainer, "DPOTrainer"):
+        pytest.skip("this LLaMA-Factory's v1 has no DPO trainer")
+    found = {}
+    for size in (1, 2):
+        out = tmp_path / f"dpo_cp{size}"
+        cfg = v1_yaml(assets, out, "mts", train_dataset=str(v1_pairs(assets, out)), cutoff_len=255,
+                      global_batch_size=4, flash_attn="flash_attention_2", **(cp_keys(size) if size > 1 else {}))
+        cfg["peft_config"]["lora_dropout"] = 0.0
+        rc, log = run_v1(cfg, nproc=size, command="dpo", shims=(ULYSSES,))
+        assert rc == 0, log[-6000:]
+        found[size] = (log, losses(out), weights(out))
+    (log, got_losses, got), (_, ref_losses, ref) = found[2], found[1]
+    assert len(ref_losses) == 3 and all(rel(a, b) < 1e-5 for a, b in zip(got_losses, ref_losses)), \
+        (got_losses, ref_losses)
+    names = sorted(ref)
+    heads = [k for k in names if "lm_head" in k]
+    assert heads and got.keys() == ref.keys() and all(rel(got[k], ref[k]) < 1e-5 for k in heads)
+    assert rel(torch_cat(got, names), torch_cat(ref, names)) < 1e-5
+    assert all(rel(got[k], ref[k]) < 1e-4 for k in names), [(k, rel(got[k], ref[k])) for k in names]
+    assert "[liger_fsdp] v1 DPO under sequence parallelism (Ulysses, cp_size 2)" in log, log[-6000:]
+    assert "[liger_fsdp] guard: step 1 exact: LLaMA-Factory's DPOTrainer.compute_loss at cp_size 1" in log, log[-6000:]
+    assert "mp_shard=2" in log and "outside the trainer's log-probs call" not in log
+    seen = SPLIT.findall(log)
+    assert seen and {rank for rank, *_ in seen} == {"0", "1"}, log[-6000:]
+    assert all(cp == "2" and b == b_local and int(t_local) == -(-int(t) // 2) for _, cp, b, t, b_local, t_local, _ in
+               seen), seen
+    assert sum(int(n) for *_, n in seen) > 0  # labelled targets crossed the shard boundary

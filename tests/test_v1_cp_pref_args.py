@@ -1,7 +1,7 @@
 """What the plugin takes and refuses of v1's preference trainers under sequence parallelism, decided from the yaml
 (fast tier): RM at cp_size > 1 is taken (the scores gathered across the CP group, :mod:`.integration.v1.cp_rm`), RM
-at cp_size 1 stays refused (a one-logit score head: nothing to fuse), DPO under CP is refused with the key and the
-fix, and an RM run is not held to the micro-batch-1 refusal of 0.9.5's SFT positions."""
+at cp_size 1 stays refused (a one-logit score head: nothing to fuse), DPO under CP is taken (:mod:`.cp_dpo`), the
+other CP refusals hold for both, and an RM run is not held to the micro-batch-1 refusal of 0.9.5's SFT positions."""
 
 import pytest
 
@@ -29,23 +29,19 @@ def test_rm_at_cp_1_stays_refused(command, values):
         "`kernel_config.name` for reward modelling (with `cp_size` > 1 the plugin gathers the scores" in msg, msg
 
 
-@pytest.mark.parametrize("values, key", [(CP[0], "dist_config.cp_size"), (CP[1], "cp_size")])
-def test_dpo_under_cp_refused(values, key):
-    with pytest.raises(LigerFsdpConfigError) as err:
-        v1_args.check("dpo", {**BASE, **values})
-    assert str(err.value) == (
-        f"`{key}: 2` with `kernel_config.name: liger_fsdp` in a dpo run: the plugin's sequence parallelism covers v1 "
-        f"SFT and RM (LLaMA-Factory's own DPO trainer refuses cp_size > 1 too). Fix: `{key}: 1`, or remove "
-        "`liger_fsdp` from `kernel_config.name`.")
+@pytest.mark.parametrize("values", CP)
+def test_dpo_under_cp_is_taken(values):
+    v1_args.check("dpo", {**BASE, **values})
 
 
 @pytest.mark.parametrize("values, expected", [
     ({"dist_config": {"name": "deepspeed", "cp_size": 2}}, "`dist_config.name: deepspeed`"),
     ({"dist_config": {"name": "fsdp2", "cp_size": 2, "cp_mode": "ring"}}, "`dist_config.cp_mode: ring`"),
 ])
-def test_rm_under_cp_keeps_the_cp_refusals(values, expected):
+@pytest.mark.parametrize("command", ["rm", "dpo"])
+def test_pairs_under_cp_keep_the_cp_refusals(values, expected, command):
     with pytest.raises(LigerFsdpConfigError) as err:
-        v1_args.check("rm", {**BASE, **values})
+        v1_args.check(command, {**BASE, **values})
     assert expected in str(err.value) and "Fix:" in str(err.value), str(err.value)
 
 
@@ -63,4 +59,5 @@ def test_rm_not_held_to_the_micro_batch_1_refusal(monkeypatch):
 def test_doctor_line_names_rm_and_dpo():
     line = v1_cp_args.doctor_line({**BASE, **CP[1], "flash_attn": "flash_attention_2"}, 2)
     assert "`llamafactory-cli rm`: the score head's scores of each shard gathered across the CP group" in line, line
-    assert "`llamafactory-cli dpo` is refused under CP" in line and "needs `flash_attn" not in line
+    assert "`llamafactory-cli dpo`: the policy's and the reference's per-token log-probs" in line, line
+    assert "needs `flash_attn" not in line

@@ -94,6 +94,7 @@ def patch(model: Any) -> list:
     import torch.distributed.nn  # noqa: F401  (the autograd all_gather)
 
     from ... import engage, forward, guard
+    from . import cp_dpo
     from .train import unwrapped
 
     sp = importlib.import_module(SP_MODULE)
@@ -109,6 +110,9 @@ def patch(model: Any) -> list:
         engaged = engage.engaged(inner)
         if engaged is None:
             return original(model, model_inputs)
+        trainer = cp_dpo.trainer_of(inner)
+        if trainer is not None:  # a DPO trainer's own objective (v1 would train the SFT loss)
+            return cp_dpo.loss(sp, trainer, model_inputs)
         if not said:
             said.append(True)
             info_rank0(f"[liger_fsdp] v1 sequence parallelism (Ulysses, cp_size {size}): each rank's per-token "

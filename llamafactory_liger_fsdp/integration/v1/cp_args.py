@@ -1,7 +1,7 @@
 """What the plugin takes of v1's sequence parallelism (``cp_size > 1``), decided from the yaml alone (the launching
 process and every rank, through :func:`.v1_args.check`). Imports no torch.
 
-Exact and tested (:mod:`.cp`, :mod:`.cp_rm`): SFT and RM, Ulysses, v1's FSDP2 (0.9.5's ``dist_config: {name: fsdp2,
+Exact and tested (:mod:`.cp`, :mod:`.cp_rm`, :mod:`.cp_dpo`): SFT, RM and DPO, Ulysses, v1's FSDP2 (0.9.5's ``dist_config: {name: fsdp2,
 cp_size, cp_mode}``, git main's top-level ``cp_size`` / ``cp_mode``). Everything else under CP is refused here, once,
 before the ranks start.
 """
@@ -40,10 +40,6 @@ def positions_from_one() -> bool:
 def check(command: str | None, values: Mapping, size: int) -> None:
     """Refuse every sequence-parallel setting the plugin does not make exact (``size`` = the run's ``cp_size``)."""
     key = "cp_size" if values.get("cp_size") not in (None, 1) else "dist_config.cp_size"
-    if command == "dpo":
-        raise LigerFsdpConfigError(
-            f"`{key}: {size}` with `{KEY}.name: {NAME}` in a dpo run: the plugin's sequence parallelism covers v1 SFT "
-            f"and RM (LLaMA-Factory's own DPO trainer refuses cp_size > 1 too). Fix: `{key}: 1`, {FIX_REMOVE}.")
     mode = str(_first(values, "cp_mode", "ulysses"))
     if mode != "ulysses":
         mode_key = "cp_mode" if values.get("cp_mode") not in (None, "ulysses") else "dist_config.cp_mode"
@@ -72,7 +68,9 @@ def doctor_line(values: Mapping, size: int) -> str:
     line = (f"sequence parallelism: Ulysses, cp_size {size}: v1's sequence_parallel_loss from the fused kernel on each "
             f"rank's 1/{size} of every sequence (no [N/{size}, V] logits), held against v1's own on the first step; "
             f"`llamafactory-cli rm`: the score head's scores of each shard gathered across the CP group, held against "
-            f"RMTrainer.compute_loss at cp_size 1; `llamafactory-cli dpo` is refused under CP.")
+            f"RMTrainer.compute_loss at cp_size 1; `llamafactory-cli dpo`: the policy's and the reference's per-token "
+            f"log-probs from the fused kernel on each shard, gathered across the CP group, held against "
+            f"DPOTrainer.compute_loss at cp_size 1.")
     if values.get("flash_attn") != "flash_attention_2":
         line += (" LLaMA-Factory needs `flash_attn: flash_attention_2` for cp_size > 1 (it stops before step 1 "
                  "without it).")

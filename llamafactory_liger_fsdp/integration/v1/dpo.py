@@ -59,11 +59,16 @@ def _inputs(trainer: Any, batch: dict):
     return trainer._prepare_model_inputs(input_ids, types), labels, types
 
 
-def compute_loss(trainer: Any, batch: dict) -> torch.Tensor:
-    """LLaMA-Factory's ``DPOTrainer.compute_loss`` on fused log-probs."""
+def fused_logps(model: Any, inputs: dict, labels: torch.Tensor, sums: bool, step: int | None = None):
+    """(per-token log-probs ``[B, T-1]``, per-position logit sums or None, vocabulary size) of ``model``."""
+    return forward.token_logps(model, _causal_lm(model), inputs, labels, sums=sums, step=step)
+
+
+def compute_loss(trainer: Any, batch: dict, logps_of=fused_logps) -> torch.Tensor:
+    """LLaMA-Factory's ``DPOTrainer.compute_loss`` on fused log-probs (``logps_of``: :func:`fused_logps` or the
+    sequence-parallel one of :mod:`.cp_dpo`, for the policy and the reference)."""
     model_inputs, labels, types = _inputs(trainer, batch)
-    logps, sums, vocab = forward.token_logps(trainer.model, _causal_lm(trainer.model), model_inputs, labels,
-                                             step=getattr(trainer, "global_step", None))
+    logps, sums, vocab = logps_of(trainer.model, model_inputs, labels, True, getattr(trainer, "global_step", None))
     policy_chosen, policy_rejected, chosen_avg, rejected_avg = chosen_rejected(trainer, logps, labels, types)
     means = sums[:, :-1] / vocab  # shift_logits.mean(-1), without the logits
     shift_types = types[..., 1:]
@@ -73,7 +78,8 @@ def compute_loss(trainer: Any, batch: dict) -> torch.Tensor:
     if trainer.pref_loss == "sigmoid":
         if not trainer._use_lora_ref and trainer.ref_model is None:
             raise RuntimeError("Reference model is required for sigmoid DPO loss but ref_model is None.")
-        ref_chosen, ref_rejected, _, _ = trainer._compute_ref_logps(batch)
+        ref_chosen, ref_rejected, _, _ = (trainer._compute_ref_logps(batch) if logps_of is fused_logps else
+                                          compute_ref_logps(trainer, batch, logps_of))
         losses = trainer._sigmoid_dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected)
         chosen_rewards = (beta * (policy_chosen - ref_chosen)).detach()
         rejected_rewards = (beta * (policy_rejected - ref_rejected)).detach()
@@ -96,16 +102,15 @@ def compute_loss(trainer: Any, batch: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compute_ref_logps(trainer: Any, batch: dict):
+def compute_ref_logps(trainer: Any, batch: dict, logps_of=fused_logps):
     """LLaMA-Factory's ``DPOTrainer._compute_ref_logps`` on fused log-probs (no LD-DPO for the reference)."""
     model_inputs, labels, types = _inputs(trainer, batch)
     if trainer._use_lora_ref:
         model = trainer._unwrapped_model
         with model.disable_adapter():
-            logps, _, _ = forward.token_logps(model, _causal_lm(model), model_inputs, labels, sums=False)
+            logps, _, _ = logps_of(model, model_inputs, labels, False)
     else:
-        ref = trainer.ref_model
-        logps, _, _ = forward.token_logps(ref, _causal_lm(ref), model_inputs, labels, sums=False)
+        logps, _, _ = logps_of(trainer.ref_model, model_inputs, labels, False)
     return chosen_rejected(trainer, logps, labels, types, use_ld=False)
 
 

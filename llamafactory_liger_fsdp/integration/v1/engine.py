@@ -201,6 +201,9 @@ def engage_v1(model: Any, kernel_config: Any = None):
     engage.hold(model, "v1 compute_log_probs", v1_train.patch_compute_log_probs)
     engage.hold(model, "v1 DPOTrainer", lambda: v1_dpo.patch(cfg))  # a DPO run (its trainer module is loaded) only
     engage.record_undo(model, v1_cp.patch(model))  # Ulysses sequence parallelism (cp_size > 1) only
+    from . import cp_dpo as v1_cp_dpo
+
+    engage.hold(model, "v1 DPOTrainer under CP", lambda: v1_cp_dpo.patch(v1_cp.cp_size()))  # DPO, cp_size > 1
     if getattr(cfg.sharding, "kind", None) == sharding.FSDP2:
         engage.hold(model, "v1 fully_shard", v1_train.patch_fully_shard)
     if getattr(cfg.sharding, "kind", None) == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:
