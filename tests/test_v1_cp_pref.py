@@ -17,7 +17,7 @@ DPO (git main only; 0.9.5's v1 has no DPO trainer): sigmoid, LoRA + ``modules_to
 reference), 2 rows a micro-batch: cp_size 2 with the plugin against cp_size 1 with the plugin (itself held against
 LLaMA-Factory's own at cp_size 1 by test_v1_dist.py): losses, the trained head and the adapter within 1e-5 (each
 tensor within 1e-4), split as above, the guard holding LLaMA-Factory's own DPOTrainer.compute_loss at cp_size 1
-against the CP loss.
+against the CP loss; a 1% error injected into the CP log-probs is stopped at step 1 on every rank.
 """
 
 import re
@@ -32,6 +32,7 @@ from support.v1 import losses, run_v1, v1_pairs, v1_yaml, weights  # noqa: E402
 from test_v1_cp import SPLIT, ULYSSES, cp_keys  # noqa: E402
 
 INJECT = ROOT / "tests" / "cp_rm_inject"
+INJECT_DPO = ROOT / "tests" / "cp_dpo_inject"
 #: name -> (ranks / cp_size, plugin, micro_batch_size)
 RUNS = {"rm_cp1": (1, False, 2), "rm_cp2": (2, True, 2), "rm_mb1_cp1": (1, False, 1), "rm_mb1_cp2": (2, True, 1)}
 
@@ -130,3 +131,25 @@ def test_dpo_at_cp2_trains_as_at_cp1(assets, tmp_path):
     assert all(cp == "2" and b == b_local and int(t_local) == -(-int(t) // 2) for _, cp, b, t, b_local, t_local, _ in
                seen), seen
     assert sum(int(n) for *_, n in seen) > 0  # labelled targets crossed the shard boundary
+
+
+@pytest.mark.slow
+def test_guard_stops_a_one_percent_error_in_the_cp_dpo_logps(assets, tmp_path):
+    """tests/cp_dpo_inject/sitecustomize.py multiplies the CP per-token log-probs by 1.01 in every rank."""
+    from llamafactory.v1.trainers import dpo_trainer
+
+    if not hasattr(dpo_trainer, "DPOTrainer"):
+        pytest.skip("this LLaMA-Factory's v1 has no DPO trainer")
+    out = tmp_path / "inject"
+    cfg = v1_yaml(assets, out, "mts", train_dataset=str(v1_pairs(assets, out)), cutoff_len=255, global_batch_size=4,
+                  flash_attn="flash_attention_2", **cp_keys(2))
+    rc, log = run_v1(cfg, command="dpo", shims=(INJECT_DPO, ULYSSES))
+    assert rc != 0 and "[cp_dpo_inject] the plugin's CP DPO log-probs x 1.01" in log, log[-6000:]
+    found = re.findall(r"`liger_fsdp_guard`: on step 1 the plugin's replacement of LLaMA-Factory's "
+                       r"DPOTrainer.compute_loss at cp_size 1 does not give what LLaMA-Factory's own gives .*?rank "
+                       r"(\d): LLaMA-Factory's DPOTrainer.compute_loss at cp_size 1: logps/(?:chosen|rejected) "
+                       r"(-?[\d.]+), with the fused kernel (-?[\d.]+)", log)
+    assert {r for r, *_ in found} == {"0", "1"}, log[-6000:]
+    assert all(abs(float(f) / float(a) - 1.01) < 1e-4 for _, a, f in found), found
+    assert "(`liger_fsdp_guard: false` skips the check)" in log
+    assert "trainer_log.jsonl" not in {p.name for p in out.iterdir()}
