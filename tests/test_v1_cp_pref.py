@@ -13,8 +13,8 @@ received half of every pair row, that the model was sharded over both ranks, and
 ``RMTrainer.compute_loss`` at cp_size 1 against the plugin's loss; a 1% error injected into that loss is stopped at
 step 1 on every rank.
 
-DPO (git main only; 0.9.5's v1 has no DPO trainer): sigmoid, LoRA + ``modules_to_save: [lm_head]`` (LoRA as the
-reference), 2 rows a micro-batch: cp_size 2 with the plugin against cp_size 1 with the plugin (itself held against
+DPO (git main only; 0.9.5's v1 has no DPO trainer): sigmoid (LoRA as the reference) and ORPO with LD-DPO and
+``pref_ftx``, LoRA + ``modules_to_save: [lm_head]``, 2 rows a micro-batch: cp_size 2 with the plugin against cp_size 1 with the plugin (itself held against
 LLaMA-Factory's own at cp_size 1 by test_v1_dist.py): losses, the trained head and the adapter within 1e-5 (each
 tensor within 1e-4), split as above, the guard holding LLaMA-Factory's own DPOTrainer.compute_loss at cp_size 1
 against the CP loss; a 1% error injected into the CP log-probs is stopped at step 1 on every rank.
@@ -101,7 +101,8 @@ def test_guard_stops_a_one_percent_error_in_the_cp_rm_loss(assets, tmp_path):
 
 
 @pytest.mark.slow
-def test_dpo_at_cp2_trains_as_at_cp1(assets, tmp_path):
+@pytest.mark.parametrize("pref", [{}, {"pref_loss": "orpo", "ld_alpha": 0.5, "pref_ftx": 0.1}])
+def test_dpo_at_cp2_trains_as_at_cp1(assets, tmp_path, pref):
     from llamafactory.v1.trainers import dpo_trainer
 
     if not hasattr(dpo_trainer, "DPOTrainer"):
@@ -110,7 +111,8 @@ def test_dpo_at_cp2_trains_as_at_cp1(assets, tmp_path):
     for size in (1, 2):
         out = tmp_path / f"dpo_cp{size}"
         cfg = v1_yaml(assets, out, "mts", train_dataset=str(v1_pairs(assets, out)), cutoff_len=255,
-                      global_batch_size=4, flash_attn="flash_attention_2", **(cp_keys(size) if size > 1 else {}))
+                      global_batch_size=4, flash_attn="flash_attention_2", **(cp_keys(size) if size > 1 else {}),
+                      **pref)
         cfg["peft_config"]["lora_dropout"] = 0.0
         rc, log = run_v1(cfg, nproc=size, command="dpo", shims=(ULYSSES,))
         assert rc == 0, log[-6000:]
