@@ -90,14 +90,15 @@ def increment(r1: dict, r2: dict, layers: int) -> float:
     return (first[1] - first[0]) / layers
 
 
-def cards(path: str) -> dict:
-    """(cp_size, tokens, variant) -> (peak GiB, card) of the card rows in ``path`` (bench/v1.py's rows, 32 layers)."""
+def cards(paths: str) -> dict:
+    """(cp_size, tokens, variant) -> (peak GiB, card) of the card rows in ``paths`` (comma-separated files of
+    bench/v1.py's rows, 32 layers; the first file that has a point gives it)."""
     out = {}
-    for r in load_rows(path):
+    for r in [r for path in paths.split(",") for r in load_rows(path)]:
         if r.get("layers") == LAYERS and r.get("fits") and not r.get("smoke") and r.get("variant") in VARIANTS.values():
             variant = next(k for k, v in VARIANTS.items() if v == r["variant"])
             point = (r.get("cp_size", 1), r["cutoff_len"] * r.get("micro_batch_size", 1), variant)
-            out[point] = (r["peak_gib"], r["card"])
+            out.setdefault(point, (r["peak_gib"], r["card"]))
     return out
 
 
@@ -149,8 +150,9 @@ def main() -> None:
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "twin_cp"))
     ap.add_argument("--runs-out", default=os.path.join(ROOT, "bench", "results", "cpu_twin_cp_runs.json"))
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "cpu_twin_cp.json"))
-    ap.add_argument("--cards", default=os.path.join(ROOT, "bench", "results", "h200_v1cp.json"),
-                    help="card rows of bench/v1.py (32 layers) to set beside the predictions")
+    ap.add_argument("--cards", default=",".join(os.path.join(ROOT, "bench", "results", f"{c}_v1cp.json")
+                                                for c in ("h200", "h100")),
+                    help="card rows of bench/v1.py (32 layers) to set beside the predictions (comma-separated)")
     ap.add_argument("--chart", default=None, help="a PNG of the rows")
     ap.add_argument("--table", action="store_true", help="print the table of --out; run nothing")
     args = ap.parse_args()
