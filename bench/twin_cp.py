@@ -2,7 +2,7 @@
 32-layer Llama-3-8B shape, v1's own loss (``plain``) against the plugin's, at cp_size 1/2/4/8.
 
     python bench/twin_cp.py [--scale 32] [--cps 1,2,4,8] [--tokens 131072,262144] [--depths 2,4] [--check-depth 8]
-                            [--check-tokens 131072] [--extra 1:32768] [--lock /tmp/llf-heavy.lock]
+                            [--check-tokens 131072] [--extra 1:32768] [--one-depth 262144] [--lock FILE]
                             [--runs-out bench/results/cpu_twin_cp_runs.json] [--out bench/results/cpu_twin_cp.json]
                             [--chart bench/results/cpu_twin_cp.png] [--table]
 
@@ -141,8 +141,8 @@ def main() -> None:
     ap.add_argument("--check-tokens", type=int, default=131072)
     ap.add_argument("--extra", default="1:32768", help="more CP:TOKENS points ('' for none)")
     ap.add_argument("--variants", default="plain,plugin")
-    ap.add_argument("--one-depth", type=int, default=0, help="from this many tokens on, cp > 1 runs --depths' first "
-                    "only (the cp 1 runs that give the increment still run both)")
+    ap.add_argument("--one-depth", type=int, default=262144, help="from this many tokens on, cp > 1 runs --depths' "
+                    "first only (the cp 1 runs that give the increment still run both; 0: never)")
     ap.add_argument("--check-variants", default="plain")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--lock", default=None, help="a flock file each twin run holds (not the sweep)")
