@@ -70,7 +70,7 @@ class Check:
     windowed: Callable[[Any], tuple] | None = None  # a batch too large to run whole: (original, ours) for a window
 
 
-class _Rng:
+class Rng:
     """The CPU and current-CUDA-device generator states: taken once, restorable any number of times."""
 
     def __init__(self):
@@ -98,7 +98,7 @@ def vocab_problem(causal_lm, ids, labels: torch.Tensor, shift_labels, ignore_ind
     return None
 
 
-def _all_max(values: list[float], device) -> list[float]:
+def all_max(values: list[float], device) -> list[float]:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return values
@@ -107,7 +107,7 @@ def _all_max(values: list[float], device) -> list[float]:
     return flag.tolist()
 
 
-def _worst(pairs: dict, rtol: float, atol: float) -> tuple[bool, str, float, float]:
+def worst_element(pairs: dict, rtol: float, atol: float) -> tuple[bool, str, float, float]:
     """(any element out of bound, its name, the original's value, ours) -- the worst element by excess over bound.
     NaN on one side only is a difference; NaN on both (0 / 0 on both sides) is agreement."""
     worst = (-float("inf"), "", 0.0, 0.0)
@@ -154,7 +154,7 @@ def hold(check: Check, causal_lm, family, batch: dict, labels: torch.Tensor, *, 
     piece, too_big = guard_slice.choose(batch, labels, masked_mean=family.loss == "masked_mean", pairs=pairs,
                                         shifted=shifted, ignore_index=ignore_index, vocab=vocab)
     device = next(causal_lm.parameters()).device  # the collectives' device (v1 hands labels over on the CPU)
-    data_rank, any_labels, any_too_big = _all_max(
+    data_rank, any_labels, any_too_big = all_max(
         [rank() + 1 if problem else 0, 1 if piece.labelled else 0, 1 if too_big else 0], device)
     if data_rank:
         where = problem or f"rank {int(data_rank) - 1}'s batch has a token id or label outside the vocabulary"
@@ -176,7 +176,7 @@ def hold(check: Check, causal_lm, family, batch: dict, labels: torch.Tensor, *, 
             window = (piece.rows, piece.start, piece.end)
     b, t = labels.shape
     small = guard_slice.cut(batch, piece, b, t)
-    rng = _Rng()
+    rng = Rng()
     try:
         with torch.no_grad():
             with _original_side(causal_lm, check.models, window) as calls:
@@ -200,7 +200,7 @@ def _decide(check: Check, causal_lm, family, piece, calls, pairs_out, device, st
     if torch.is_autocast_enabled(device.type):
         dtype = torch.get_autocast_dtype(device.type)
     rtol, atol = bounds(dtype, own)
-    bad, name, a, f = _worst(pairs_out, rtol, atol)
+    bad, name, a, f = worst_element(pairs_out, rtol, atol)
     precision = f"{str(dtype).replace('torch.', '')} logits of the model's own precision (its forward never calls " \
         "the output embedding as a module)" if own else f"fp32 logits from the same {str(dtype).replace('torch.', '')} inputs"
     if check.loss_line:
@@ -210,7 +210,7 @@ def _decide(check: Check, causal_lm, family, piece, calls, pairs_out, device, st
     text = f"{head} (|diff| {abs(f - a):.3g}, bound {rtol * abs(a) + atol:.3g}; {precision}) on {piece.describe()}"
     if not piece.labelled:
         bad, text = False, "not checked on this rank: no labelled position in its slice"
-    (mismatch,) = _all_max([float(bad)], device)
+    (mismatch,) = all_max([float(bad)], device)
     if mismatch:
         if not bad:
             text = ("this rank's slice was not checked (no labelled position in it)" if not piece.labelled else

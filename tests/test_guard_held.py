@@ -218,8 +218,8 @@ def test_a_text_rank_beside_a_rank_with_a_too_large_image_batch(monkeypatch, cap
     cut and compared as usual, with the same number of forwards as the windowed rank."""
     from llamafactory_liger_fsdp import guard
 
-    honest = guard._all_max
-    monkeypatch.setattr(guard, "_all_max", lambda values, device: [v if i != 2 else 1.0 for i, v in
+    honest = guard.all_max
+    monkeypatch.setattr(guard, "all_max", lambda values, device: [v if i != 2 else 1.0 for i, v in
                                                                    enumerate(honest(values, device))])
     _, cand = twin("llama", "mts")
     engage(cand, backend="torch")

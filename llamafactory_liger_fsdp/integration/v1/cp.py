@@ -22,44 +22,7 @@ from typing import Any
 from ... import _patch
 from ..._log import info_rank0
 from . import args as v1_args
-
-SP_MODULE = "llamafactory.v1.plugins.model_plugins.parallelization.sequence_parallel"
-LOSS = "sequence_parallel_loss"
-
-
-def cp_size() -> int:
-    """The CP group's size of this run (v1's DistributedInterface, set up before the model is built)."""
-    from llamafactory.v1.accelerator.interface import Dim, DistributedInterface
-
-    instance = getattr(DistributedInterface, "_instance", None)
-    if instance is None or not getattr(instance, "_initialized", False):  # not set up by a v1 run: never create it
-        return 1
-    return int(instance.get_world_size(Dim.CP) or 1)
-
-
-def _slot(sp: Any) -> tuple[dict, str, str]:
-    """(mapping, key, label) of the registered loss: 0.9.5 keeps ``{name: {"__call__": fn}}`` on BasePlugin, git
-    main ``{name: fn}`` per plugin class."""
-    plugin = getattr(sp, "SequenceParallelLossPlugin", None)
-    registry = getattr(plugin, "_registry", None)
-    entry = registry.get(LOSS) if isinstance(registry, dict) else None
-    where = f"{SP_MODULE}.SequenceParallelLossPlugin[{LOSS!r}]"
-    if isinstance(entry, dict) and callable(entry.get("__call__")):
-        return entry, "__call__", where
-    if callable(entry):
-        return registry, LOSS, where
-    raise _patch.PatchError(f"v1's registered `{LOSS}` not found")
-
-
-def _gather(t, group):
-    """The CP group's shards of ``t`` side by side along the sequence (no gradient)."""
-    import torch
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
-
+from .ulysses import LOSS, SP_MODULE, cp_size, gather, slot  # noqa: F401  (cp_size: the engine)
 
 def fused_sequence_parallel_loss(sp: Any, model: Any, model_inputs: dict):
     """v1's ``sequence_parallel_loss`` with each rank's log-probs from the fused kernel (no logits)."""
@@ -78,11 +41,11 @@ def fused_sequence_parallel_loss(sp: Any, model: Any, model_inputs: dict):
     group = sp.get_ulysses_sequence_parallel_group()
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     labels = inputs.pop("labels")
-    targets = F.pad(_gather(labels, group)[..., 1:], (0, 1), value=-100).chunk(size, dim=1)[rank].contiguous()
+    targets = F.pad(gather(labels, group)[..., 1:], (0, 1), value=-100).chunk(size, dim=1)[rank].contiguous()
     logps, _, _ = forward.token_logps(model, engage.causal_lm_of(unwrapped(model)), inputs, targets, sums=False,
                                       shifted=True)
     logps = torch.cat(dist.nn.all_gather(logps, group=group), dim=1)[..., :-1]
-    weights = _gather(inputs["loss_weights"], group)[..., 1:]
+    weights = gather(inputs["loss_weights"], group)[..., 1:]
     return (-logps * weights).sum() / (weights.sum() + 1e-6)
 
 
@@ -98,7 +61,7 @@ def patch(model: Any) -> list:
     from .train import unwrapped
 
     sp = importlib.import_module(SP_MODULE)
-    mapping, key, where = _slot(sp)
+    mapping, key, where = slot(sp)
     original = mapping[key]
     if getattr(original, _patch.MARK, False):  # a second engaged model (a reference): the loss is ours already
         return []

@@ -47,8 +47,8 @@ def cp_logps(sp: Any):
         from llamafactory.v1.accelerator.interface import Dim, DistributedInterface
 
         from ... import forward
-        from . import cp as v1_cp
-        from .dpo import _causal_lm
+        from .dpo import causal_lm_in
+        from .ulysses import gather
 
         inputs = dict(inputs)
         mask = inputs.get("attention_mask")
@@ -59,9 +59,9 @@ def cp_logps(sp: Any):
                                           DistributedInterface().get_device_mesh(Dim.CP))
         group = sp.get_ulysses_sequence_parallel_group()
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        targets = F.pad(v1_cp._gather(split.pop("labels"), group)[..., 1:], (0, 1), value=-100)
+        targets = F.pad(gather(split.pop("labels"), group)[..., 1:], (0, 1), value=-100)
         targets = targets.chunk(size, dim=1)[rank].contiguous()
-        logps, sums_, vocab = forward.token_logps(model, _causal_lm(model), split, targets, sums=sums, step=step,
+        logps, sums_, vocab = forward.token_logps(model, causal_lm_in(model), split, targets, sums=sums, step=step,
                                                   shifted=True)
         logps = torch.cat(dist.nn.all_gather(logps.contiguous(), group=group), dim=1)[:, :length - 1]
         if sums_ is not None:
@@ -75,7 +75,7 @@ def loss(sp: Any, trainer: Any, batch: dict):
     """The DPO loss of ``batch`` under CP, held against LLaMA-Factory's own at cp_size 1 on the first call."""
     from ... import engage, guard
     from . import dpo
-    from .cp_rm import ulysses_off
+    from .ulysses import ulysses_off
 
     cls = type(trainer)
     original = getattr(cls.compute_loss, "__wrapped__", cls.compute_loss)
@@ -96,10 +96,10 @@ def loss(sp: Any, trainer: Any, batch: dict):
     def ours(b: dict):
         return dpo.compute_loss(trainer, b, logps_of), dict(trainer._step_metrics)
 
-    causal_lm = dpo._causal_lm(trainer.model)
+    causal_lm = dpo.causal_lm_in(trainer.model)
     ref = getattr(trainer, "ref_model", None)
-    models = (causal_lm,) if ref is None else (causal_lm, dpo._causal_lm(ref))
-    check = guard.Check("LLaMA-Factory's DPOTrainer.compute_loss at cp_size 1", theirs, ours, dpo._compare,
+    models = (causal_lm,) if ref is None else (causal_lm, dpo.causal_lm_in(ref))
+    check = guard.Check("LLaMA-Factory's DPOTrainer.compute_loss at cp_size 1", theirs, ours, dpo.compare_outputs,
                         models=models)
     guard.first_call(causal_lm, engage.engaged(causal_lm).family, check, batch, batch["labels"],
                      step=getattr(trainer, "global_step", None))

@@ -4,7 +4,7 @@ by :func:`.engine.engage_v1` for a score-head model in an RM run, recorded on th
 * ``llamafactory.v1.trainers.rm_trainer.RMTrainer.__init__`` -- LLaMA-Factory refuses cp_size > 1 there (its only
   other statement is ``super().__init__``, in 0.9.5 and git main); for a model taken here ``BaseTrainer.__init__``
   runs instead.
-* the registered ``sequence_parallel_loss`` (:func:`.cp._slot`) -- under CP v1's trainer calls it instead of
+* the registered ``sequence_parallel_loss`` (:func:`.ulysses.slot`) -- under CP v1's trainer calls it instead of
   ``compute_loss``, which would train the SFT loss. Answered by :func:`cp_loss`: ``RMTrainer.compute_loss``'s own
   model inputs (recorded from the method: token_type_ids as attention mask, positions restarting at the rejected
   part, of the whole row), v1's padding and split, each rank's scores of its shard, gathered across the CP group with
@@ -22,8 +22,6 @@ the whole micro-batch on every rank) is held against :func:`cp_loss` (``liger_fs
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib
 import sys
 from types import SimpleNamespace
@@ -32,7 +30,7 @@ from typing import Any
 from ... import _patch
 from ..._log import info_rank0, rank
 from ...config import LigerFsdpConfigError
-from . import cp as v1_cp
+from . import ulysses
 
 RM_MODULE = "llamafactory.v1.trainers.rm_trainer"
 TAKEN = "_liger_fsdp_cp_rm"  # on the model's inner module: this model's RM loss is answered here
@@ -91,23 +89,6 @@ def cp_loss(sp: Any, cls: type, model: Any, batch: dict):
     return cls.compute_loss(SimpleNamespace(device=device, model=lambda *a, **k: gathered), batch)
 
 
-@contextlib.contextmanager
-def ulysses_off(sp: Any):
-    """transformers' ``_flash_attention_forward`` as it was before LLaMA-Factory's Ulysses patch, in every module it
-    replaced it in (a ``functools.partial`` of its ``new_flash_attn_forward``)."""
-    swapped = []
-    for module in list(sys.modules.values()):
-        fn = getattr(module, "_flash_attention_forward", None) if module is not None else None
-        if isinstance(fn, functools.partial) and fn.func is getattr(sp, "new_flash_attn_forward", None):
-            swapped.append((module, fn))
-            module._flash_attention_forward = fn.keywords["attn_fn"]
-    try:
-        yield bool(swapped)
-    finally:
-        for module, fn in swapped:
-            module._flash_attention_forward = fn
-
-
 def _stop(what: str, text: str) -> LigerFsdpConfigError:
     return LigerFsdpConfigError(
         f"`liger_fsdp_guard`: on the first step {what}, rank {rank()}: {text}. Training would optimise another "
@@ -129,9 +110,9 @@ def hold(sp: Any, cls: type, model: Any, batch: dict) -> None:
                    f"to run unsplit on one rank (at most {UNSPLIT_TOKENS}); {what} is replaced without a comparison.")
         return
     device = next(model.parameters()).device
-    rng = guard._Rng()
+    rng = guard.Rng()
     with torch.no_grad():
-        with ulysses_off(sp) as found:
+        with ulysses.ulysses_off(sp) as found:
             if not found:
                 raise _stop(f"{what} could not run", "LLaMA-Factory's Ulysses attention patch was not found in "
                                                      "transformers' modules, so the unsplit side cannot be computed")
@@ -141,8 +122,8 @@ def hold(sp: Any, cls: type, model: Any, batch: dict) -> None:
         rng.restore()
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     rtol, atol = guard.bounds(dtype)
-    bad, _, a, f = guard._worst({"loss": (theirs, ours)}, rtol, atol)
-    (mismatch,) = guard._all_max([float(bad)], device)
+    bad, _, a, f = guard.worst_element({"loss": (theirs, ours)}, rtol, atol)
+    (mismatch,) = guard.all_max([float(bad)], device)
     text = f"{what}: loss {a:.7g}, with the scores gathered across the CP group {f:.7g} (|diff| {abs(f - a):.3g}, " \
            f"bound {rtol * abs(a) + atol:.3g})"
     if mismatch:
@@ -158,14 +139,14 @@ def patch(model: Any, cfg: Any) -> list:
     from ... import engage
     from .train import unwrapped
 
-    size = v1_cp.cp_size()
+    size = ulysses.cp_size()
     rm = sys.modules[RM_MODULE]
     cls = rm.RMTrainer
     _patch.require_params(cls.__init__, ("self", "args", "model", "renderer", "train_dataset", "callbacks"),
                           "RMTrainer.__init__")
     _patch.require_params(cls.compute_loss, ("self", "batch"), "RMTrainer.compute_loss")
-    sp = importlib.import_module(v1_cp.SP_MODULE)
-    mapping, key, where = v1_cp._slot(sp)
+    sp = importlib.import_module(ulysses.SP_MODULE)
+    mapping, key, where = ulysses.slot(sp)
     inner = engage.causal_lm_of(unwrapped(model))
     inner.__dict__[TAKEN] = True
     undo = [lambda: inner.__dict__.pop(TAKEN, None)]

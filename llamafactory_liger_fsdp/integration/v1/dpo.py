@@ -28,7 +28,7 @@ from ...losses import IGNORE_INDEX
 from ...preference import ld_sum
 
 
-def _causal_lm(model: Any):
+def causal_lm_in(model: Any):
     from .train import unwrapped
 
     return engage.causal_lm_of(unwrapped(model))
@@ -61,7 +61,7 @@ def _inputs(trainer: Any, batch: dict):
 
 def fused_logps(model: Any, inputs: dict, labels: torch.Tensor, sums: bool, step: int | None = None):
     """(per-token log-probs ``[B, T-1]``, per-position logit sums or None, vocabulary size) of ``model``."""
-    return forward.token_logps(model, _causal_lm(model), inputs, labels, sums=sums, step=step)
+    return forward.token_logps(model, causal_lm_in(model), inputs, labels, sums=sums, step=step)
 
 
 def compute_loss(trainer: Any, batch: dict, logps_of=fused_logps) -> torch.Tensor:
@@ -126,7 +126,7 @@ def engage_reference(ref: Any, config: Any) -> None:
 COMPARED = ("logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected")
 
 
-def _compare(theirs: tuple, ours: tuple) -> dict:
+def compare_outputs(theirs: tuple, ours: tuple) -> dict:
     out = {"loss": (theirs[0], ours[0])}
     for key in COMPARED:
         if key not in theirs[1] or key not in ours[1]:
@@ -139,9 +139,9 @@ def _compare(theirs: tuple, ours: tuple) -> dict:
 def _hold(trainer: Any, batch: dict, original, original_ref) -> None:
     """The policy's first training call: LLaMA-Factory's ``compute_loss`` (with its own ``_compute_ref_logps``)
     against :func:`compute_loss`, on a slice of the batch (:mod:`..guard`)."""
-    causal_lm = _causal_lm(trainer.model)
+    causal_lm = causal_lm_in(trainer.model)
     ref = getattr(trainer, "ref_model", None)
-    models = (causal_lm,) if ref is None else (causal_lm, _causal_lm(ref))
+    models = (causal_lm,) if ref is None else (causal_lm, causal_lm_in(ref))
 
     def theirs(b: dict):
         trainer._compute_ref_logps = original_ref.__get__(trainer)
@@ -153,7 +153,7 @@ def _hold(trainer: Any, batch: dict, original, original_ref) -> None:
     def ours(b: dict):
         return compute_loss(trainer, b), dict(trainer._step_metrics)
 
-    check = guard.Check("LLaMA-Factory's DPOTrainer.compute_loss", theirs, ours, _compare, models=models)
+    check = guard.Check("LLaMA-Factory's DPOTrainer.compute_loss", theirs, ours, compare_outputs, models=models)
     guard.first_call(causal_lm, engage.engaged(causal_lm).family, check, batch, batch["labels"],
                      step=getattr(trainer, "global_step", None))
 
@@ -172,7 +172,7 @@ def patch(config: Any) -> list:
         _patch.require_params(getattr(cls, name, None), params, f"DPOTrainer.{name}")
 
     def fused(self) -> bool:
-        return engage.engaged(_causal_lm(self.model)) is not None
+        return engage.engaged(causal_lm_in(self.model)) is not None
 
     original_ref = cls._compute_ref_logps
 
