@@ -133,7 +133,7 @@ def _original_side(causal_lm, models, window=None):
         yield calls
 
 
-def _unchecked(step: int, what: str, reason: str) -> None:
+def unchecked(step: int, what: str, reason: str) -> None:
     newer = versions.untested()
     if newer:
         raise LigerFsdpConfigError(
@@ -168,7 +168,7 @@ def hold(check: Check, causal_lm, family, batch: dict, labels: torch.Tensor, *, 
     original, replacement, window = check.original, check.ours, None
     if any_too_big:
         if check.windowed is None:
-            _unchecked(step, check.what, f"a batch with image inputs cannot be cut, and its fp32 logits would exceed "
+            unchecked(step, check.what, f"a batch with image inputs cannot be cut, and its fp32 logits would exceed "
                                          f"{guard_slice.LOGITS_BUDGET / 2**30:.0f} GiB")
             return True
         if too_big:  # this rank's own batch (another rank's may be text, cut as usual, or small enough to run whole)

@@ -106,8 +106,8 @@ def hold(sp: Any, cls: type, model: Any, batch: dict) -> None:
     what = "LLaMA-Factory's RMTrainer.compute_loss at cp_size 1"
     tokens = int(batch["input_ids"].numel())
     if tokens > UNSPLIT_TOKENS:
-        info_rank0(f"[liger_fsdp] guard: the first step not checked: its micro-batch of {tokens} tokens is too long "
-                   f"to run unsplit on one rank (at most {UNSPLIT_TOKENS}); {what} is replaced without a comparison.")
+        guard.unchecked(1, what, f"its micro-batch of {tokens} tokens is too long to run unsplit on one rank (at most "
+                                 f"{UNSPLIT_TOKENS})")  # stops the run where installed versions are untested
         return
     device = next(model.parameters()).device
     rng = guard.Rng()
