@@ -19,10 +19,14 @@ under CP), 2 steps (the guard's step 1 and a step with Adam's states).
 
 A 32-layer model at 128k tokens is too much for two shared cores, so depth is extrapolated: under activation
 checkpointing the peak is affine in depth -- each layer adds its weights and LoRA states (FSDP2 shards them over the cp
-ranks) and its checkpointed input (T/cp tokens a rank under Ulysses), so a rank's increment per layer is the one at cp 1
-divided by cp. The twin runs ``--depths`` d1 < d2; the per-layer increment k is (P1(d2) - P1(d1)) / (d2 - d1) of the
-same variant at cp 1 (P1: the step-1 peak; one rank, so no gloo timing in it); each rank's 32-layer peak is the mean,
-over d = d1 and d2, of its peak at d plus (32 - d) x k / cp (``from_depths_gib``: the ranks' highest from each). On
+ranks) and its checkpointed input (T/cp tokens a rank under Ulysses): plain's increment per layer is its one at cp 1
+divided by cp. A variant's excess over plain at cp 1 is not divided: it is v1's root FSDP2 unit's gathered copy of a
+layer's frozen weights (LLaMA-Factory 0.9.5's v1 finds no decoder-layer class in transformers 5's set-valued
+``_no_split_modules``, so the whole model is one unit; its copy lives from the root's pre-forward / pre-backward on,
+where the plugin's peaks are and plain's are not), full size on every rank. The twin runs ``--depths`` d1 < d2; an
+increment k is (P1(d2) - P1(d1)) / (d2 - d1) at cp 1 (P1: the step-1 peak; one rank, so no gloo timing in it); each
+rank's 32-layer peak is the mean, over d = d1 and d2, of its peak at d plus (32 - d) x (k_plain / cp + k_variant -
+k_plain) (``from_depths_gib``: the ranks' highest from each). On
 several gloo ranks a rank's peak moves by up to a few GiB with the ranks' timing (which rank waits in which collective
 while what is live): as a per-layer increment, x 30, that would swamp k; the increment measured at cp itself is kept in
 each row (``measured_per_layer_gib``) to show it. ``--one-depth T``: from T tokens on, cp > 1 runs d1 only (time).
@@ -166,19 +170,22 @@ def main() -> None:
     card_rows, rows = cards(args.cards), []
     for cp, tokens in points:
         for variant in variants:
-            # the per-layer increment: the variant's own at cp 1 (one rank, no gloo timing), divided by cp
-            k1 = increment(*(measured(args, 1, tokens, d, variant) for d in (d1, d2)), d2 - d1)
+            # the per-layer increment at cp: plain's at cp 1 (one rank, no gloo timing) divided by cp, plus the
+            # variant's excess over plain at cp 1 whole (v1's root unit's gathered copy of a layer: full size a rank)
+            k_plain = increment(*(measured(args, 1, tokens, d, "plain") for d in (d1, d2)), d2 - d1)
+            k_own = increment(*(measured(args, 1, tokens, d, variant) for d in (d1, d2)), d2 - d1)
+            k_cp = k_plain / cp + (k_own - k_plain)
             depths = [d1] if cp > 1 and args.one_depth and tokens >= args.one_depth else [d1, d2]
             runs = [measured(args, cp, tokens, d, variant) for d in depths]
             row = dict(cp_size=cp, tokens=tokens, variant=variant, layers=LAYERS, modules_to_save=["lm_head"],
-                       micro_batch_size=MICRO_BATCH, twin=args.scale, depths=depths, per_layer_gib=k1 / cp)
+                       micro_batch_size=MICRO_BATCH, twin=args.scale, depths=depths, per_layer_gib=k_cp)
             failed = [r for r in runs if not r.get("fits")]
             if failed:
                 row.update(error=failed[0].get("error"))
                 rows.append(row)
                 continue
             # each rank: from either depth, then their mean (two runs: the ranks' timing moves each a little)
-            by_depth = [[q + k1 / cp * (LAYERS - d) for q in r["peak_gib_per_rank"]] for r, d in zip(runs, depths)]
+            by_depth = [[q + k_cp * (LAYERS - d) for q in r["peak_gib_per_rank"]] for r, d in zip(runs, depths)]
             per_rank = [sum(qs) / len(qs) for qs in zip(*by_depth)]
             row.update(peak_gib_per_rank=max(per_rank), fits=max(per_rank) <= H200_GIB, card_gib=H200_GIB,
                        ranks_gib=per_rank, from_depths_gib=[max(q) for q in by_depth],

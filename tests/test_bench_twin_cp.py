@@ -41,8 +41,9 @@ def _run_row(cp, depth, variant, peaks, first):
 
 
 def test_rows_from_held_runs_extrapolate_in_depth(tmp_path, monkeypatch):
-    """Each rank: the mean over the two depths of its peak there + (32 - depth) x the variant's own per-layer increment
-    at cp 1 (of the step-1 peaks) / cp; the ranks' highest. The increment measured at cp 2 itself rides along."""
+    """Each rank: the mean over the two depths of its peak there + (32 - depth) x (plain's per-layer increment at cp 1
+    / cp + the variant's excess over plain at cp 1, whole; of the step-1 peaks); the ranks' highest. The increment
+    measured at cp 2 itself rides along."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
         import twin_cp
@@ -50,7 +51,7 @@ def test_rows_from_held_runs_extrapolate_in_depth(tmp_path, monkeypatch):
         sys.path.pop(0)
     runs = tmp_path / "runs.json"
     held = [_run_row(1, 1, "plain-head", [20.0], [19.0]), _run_row(1, 2, "plain-head", [21.0], [20.0]),
-            _run_row(1, 1, "plugin-head", [8.0], [7.0]), _run_row(1, 2, "plugin-head", [9.0], [7.5]),
+            _run_row(1, 1, "plugin-head", [8.0], [7.0]), _run_row(1, 2, "plugin-head", [9.0], [8.5]),
             _run_row(2, 1, "plain-head", [10.0, 10.5], [9.0, 9.0]),
             _run_row(2, 2, "plain-head", [13.0, 9.5], [12.0, 9.5]),
             _run_row(2, 1, "plugin-head", [4.0, 4.0], [3.0, 3.0]),
@@ -68,8 +69,9 @@ def test_rows_from_held_runs_extrapolate_in_depth(tmp_path, monkeypatch):
     assert plain["ranks_gib"] == [26.75, 25.25] and plain["peak_gib_per_rank"] == 26.75
     assert plain["per_layer_gib"] == 0.5
     assert plain["from_depths_gib"] == [26.0, 28.0] and plain["measured_per_layer_gib"] == 3.0
-    # the plugin's k / cp = 0.25: (4 + 7.75 + 4.5 + 7.5) / 2
-    assert plugin["peak_gib_per_rank"] == 11.875 and plugin["fits"] is True and plugin["measured_per_layer_gib"] == 0.5
+    # the plugin: 1 / 2 + (1.5 - 1) = 1 a layer: (4 + 31 + 4.5 + 30) / 2
+    assert plugin["per_layer_gib"] == 1.0
+    assert plugin["peak_gib_per_rank"] == 34.75 and plugin["fits"] is True and plugin["measured_per_layer_gib"] == 0.5
     assert "measured_peak_gib_per_rank" not in plain
 
 
