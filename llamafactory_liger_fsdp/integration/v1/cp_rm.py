@@ -31,6 +31,7 @@ from ... import _patch
 from ..._log import info_rank0, rank
 from ...config import LigerFsdpConfigError
 from . import ulysses
+from .train import Captured, Recorder
 
 RM_MODULE = "llamafactory.v1.trainers.rm_trainer"
 TAKEN = "_liger_fsdp_cp_rm"  # on the model's inner module: this model's RM loss is answered here
@@ -42,25 +43,11 @@ def rm_run() -> bool:
     return hasattr(sys.modules.get(RM_MODULE), "RMTrainer")
 
 
-class _Captured(Exception):
-    pass
-
-
-class _Recorder:
-    """A stand-in model: records the keyword arguments ``RMTrainer.compute_loss`` calls it with."""
-
-    kwargs: dict | None = None
-
-    def __call__(self, *args: Any, **kwargs: Any):
-        self.kwargs = dict(kwargs) if not args else None
-        raise _Captured
-
-
 def _model_inputs(cls: type, batch: dict, device) -> dict:
-    recorder = _Recorder()
+    recorder = Recorder()
     try:
         cls.compute_loss(SimpleNamespace(device=device, model=recorder), batch)
-    except _Captured:
+    except Captured:
         pass
     if not recorder.kwargs or "input_ids" not in recorder.kwargs:
         raise _patch.PatchError("v1's RMTrainer.compute_loss no longer calls model(input_ids=..., ...)")

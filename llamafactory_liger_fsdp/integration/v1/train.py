@@ -22,18 +22,19 @@ from ..._log import info_rank0
 from . import args as v1_args
 
 
-class _Captured(Exception):
+class Captured(Exception):
     pass
 
 
-class _Recorder:
-    """A stand-in model: records the keyword arguments the original ``compute_log_probs`` calls it with."""
+class Recorder:
+    """A stand-in model: records the keyword arguments a trainer method calls it with (v1's ``compute_log_probs``,
+    ``RMTrainer.compute_loss``), then stops the method (:class:`Captured`)."""
 
     kwargs: dict | None = None
 
     def __call__(self, *args: Any, **kwargs: Any):
         self.kwargs = dict(kwargs) if not args else None
-        raise _Captured
+        raise Captured
 
 
 def unwrapped(model: Any) -> Any:
@@ -53,10 +54,10 @@ def patch_compute_log_probs() -> list:
 
     def make(original):
         def fused(self, model, inner, batch):
-            recorder = _Recorder()
+            recorder = Recorder()
             try:
                 original(self, recorder, batch)
-            except _Captured:
+            except Captured:
                 pass
             if not recorder.kwargs or "labels" not in recorder.kwargs:
                 raise _patch.PatchError("v1's compute_log_probs no longer calls model(**inputs) with labels; "
