@@ -22,13 +22,13 @@ from typing import Any
 from ... import _patch
 from ..._log import info_rank0
 from . import args as v1_args
-from .ulysses import LOSS, SP_MODULE, cp_size, gather, slot  # noqa: F401  (cp_size: the engine)
+from .ulysses import LOSS, SP_MODULE, gather, gather_grad, shifted_targets, slot
+from .ulysses import cp_size  # noqa: F401  (read as cp.cp_size by the engine)
+
 
 def fused_sequence_parallel_loss(sp: Any, model: Any, model_inputs: dict):
     """v1's ``sequence_parallel_loss`` with each rank's log-probs from the fused kernel (no logits)."""
     import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
     from llamafactory.v1.accelerator.interface import Dim, DistributedInterface
 
     from ... import engage, forward
@@ -39,12 +39,10 @@ def fused_sequence_parallel_loss(sp: Any, model: Any, model_inputs: dict):
               if isinstance(v, torch.Tensor)}
     inputs = sp.padding_and_split_data(inputs, interface.get_device_mesh(Dim.CP))
     group = sp.get_ulysses_sequence_parallel_group()
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    labels = inputs.pop("labels")
-    targets = F.pad(gather(labels, group)[..., 1:], (0, 1), value=-100).chunk(size, dim=1)[rank].contiguous()
+    targets = shifted_targets(inputs.pop("labels"), group)
     logps, _, _ = forward.token_logps(model, engage.causal_lm_of(unwrapped(model)), inputs, targets, sums=False,
                                       shifted=True)
-    logps = torch.cat(dist.nn.all_gather(logps, group=group), dim=1)[..., :-1]
+    logps = gather_grad(logps, group)[..., :-1]
     weights = gather(inputs["loss_weights"], group)[..., 1:]
     return (-logps * weights).sum() / (weights.sum() + 1e-6)
 

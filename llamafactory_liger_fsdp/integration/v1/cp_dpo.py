@@ -41,31 +41,22 @@ def cp_logps(sp: Any):
     """:func:`.dpo.fused_logps` with each rank's shard of every row (the labels shifted across shards)."""
 
     def logps_of(model: Any, inputs: dict, labels, sums: bool, step: int | None = None):
-        import torch
-        import torch.distributed as dist
-        import torch.nn.functional as F
         from llamafactory.v1.accelerator.interface import Dim, DistributedInterface
 
         from ... import forward
         from .dpo import causal_lm_in
-        from .ulysses import gather
+        from .ulysses import gather_grad, shifted_targets, without_full_mask
 
-        inputs = dict(inputs)
-        mask = inputs.get("attention_mask")
-        if mask is not None and bool(mask.ne(0).all()):
-            del inputs["attention_mask"]
         length = labels.shape[-1]
-        split = sp.padding_and_split_data({**inputs, "labels": labels},
+        split = sp.padding_and_split_data({**without_full_mask(inputs), "labels": labels},
                                           DistributedInterface().get_device_mesh(Dim.CP))
         group = sp.get_ulysses_sequence_parallel_group()
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        targets = F.pad(gather(split.pop("labels"), group)[..., 1:], (0, 1), value=-100)
-        targets = targets.chunk(size, dim=1)[rank].contiguous()
+        targets = shifted_targets(split.pop("labels"), group)
         logps, sums_, vocab = forward.token_logps(model, causal_lm_in(model), split, targets, sums=sums, step=step,
                                                   shifted=True)
-        logps = torch.cat(dist.nn.all_gather(logps.contiguous(), group=group), dim=1)[:, :length - 1]
+        logps = gather_grad(logps, group)[:, :length - 1]
         if sums_ is not None:
-            sums_ = torch.cat(dist.nn.all_gather(sums_.contiguous(), group=group), dim=1)[:, :length]
+            sums_ = gather_grad(sums_, group)[:, :length]
         return logps, sums_, vocab
 
     return logps_of

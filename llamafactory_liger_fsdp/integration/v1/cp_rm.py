@@ -31,9 +31,9 @@ from ... import _patch
 from ..._log import info_rank0, rank
 from ...config import LigerFsdpConfigError
 from . import ulysses
+from .cp_args import RM_MODULE
 from .train import Captured, Recorder
 
-RM_MODULE = "llamafactory.v1.trainers.rm_trainer"
 TAKEN = "_liger_fsdp_cp_rm"  # on the model's inner module: this model's RM loss is answered here
 UNSPLIT_TOKENS = 1 << 16  # the guard's cp_size-1 side runs the whole micro-batch on every rank: at most this many
 
@@ -57,21 +57,16 @@ def _model_inputs(cls: type, batch: dict, device) -> dict:
 def cp_loss(sp: Any, cls: type, model: Any, batch: dict):
     """``RMTrainer.compute_loss`` of ``batch`` with each rank scoring its own shard of every row."""
     import torch
-    import torch.distributed as dist
     from llamafactory.v1.accelerator.interface import Dim, DistributedInterface
 
     interface = DistributedInterface()
     device = interface.current_device
     kwargs = _model_inputs(cls, batch, device)
     tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-    mask = tensors.get("attention_mask")
-    if mask is not None and bool(mask.ne(0).all()):  # as transformers drops it for flash_attention_2 at cp_size 1
-        del tensors["attention_mask"]  # (v1's padding to a multiple of cp_size must not bring it back)
     length = tensors["input_ids"].shape[-1]
-    split = sp.padding_and_split_data(dict(tensors), interface.get_device_mesh(Dim.CP))
+    split = sp.padding_and_split_data(ulysses.without_full_mask(tensors), interface.get_device_mesh(Dim.CP))
     outputs = model(**split, **{k: v for k, v in kwargs.items() if k not in tensors})
-    group = sp.get_ulysses_sequence_parallel_group()
-    scores = torch.cat(dist.nn.all_gather(outputs.logits.contiguous(), group=group), dim=1)[:, :length]
+    scores = ulysses.gather_grad(outputs.logits, sp.get_ulysses_sequence_parallel_group())[:, :length]
     gathered = SimpleNamespace(logits=scores)
     return cls.compute_loss(SimpleNamespace(device=device, model=lambda *a, **k: gathered), batch)
 

@@ -49,6 +49,35 @@ def gather(t, group):
     return torch.cat(parts, dim=1)
 
 
+def gather_grad(t, group):
+    """The CP group's shards of ``t`` side by side along the sequence, with autograd (the backward sums the ranks'
+    gradients of the copies)."""
+    import torch
+    import torch.distributed.nn  # noqa: F401  (the autograd all_gather)
+
+    return torch.cat(torch.distributed.nn.all_gather(t.contiguous(), group=group), dim=1)
+
+
+def shifted_targets(labels, group):
+    """This rank's chunk of the whole row's labels shifted by one (a shard's last position predicts the next shard's
+    first label; -100 at the row's end), as v1's ``sequence_parallel_loss`` shifts them."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    whole = F.pad(gather(labels, group)[..., 1:], (0, 1), value=-100)
+    return whole.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
+
+
+def without_full_mask(inputs: dict) -> dict:
+    """``inputs`` without an all-nonzero attention mask, as transformers drops it for ``flash_attention_2`` at
+    cp_size 1 (v1's padding to a multiple of cp_size must not bring it back: git main's Ulysses attention takes the
+    mask path as soon as one shard holds padding)."""
+    mask = inputs.get("attention_mask")
+    if mask is not None and bool(mask.ne(0).all()):
+        return {k: v for k, v in inputs.items() if k != "attention_mask"}
+    return inputs
+
+
 @contextlib.contextmanager
 def ulysses_off(sp: Any):
     """transformers' ``_flash_attention_forward`` as it was before LLaMA-Factory's Ulysses patch, in every module it
