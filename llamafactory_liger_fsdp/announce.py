@@ -15,6 +15,14 @@ from ._log import info_rank0, rank
 from .config import LigerFsdpConfig
 from .losses import HeadLoss, resolve_backend
 
+NOTES = "_liger_fsdp_notes"  # on a causal LM: callables (causal_lm) -> str, clauses its engaged line adds
+
+
+def note(causal_lm: nn.Module, clause) -> list:
+    """Add ``clause(causal_lm)`` (read from the live model on the first step) to the engaged line; the undo."""
+    causal_lm.__dict__.setdefault(NOTES, []).append(clause)
+    return [lambda: causal_lm.__dict__.pop(NOTES, None)]
+
 
 def first_step(causal_lm: nn.Module, seam: HeadLoss, config: LigerFsdpConfig):
     """Log the engaged line; return the memory report's kernel wrapper when it was asked for (else None)."""
@@ -59,4 +67,5 @@ def engaged_line(causal_lm: nn.Module, seam: HeadLoss, config: LigerFsdpConfig) 
     quirks = families.describe(seam.family, causal_lm.config, causal_lm)
     return (f"[liger_fsdp] engaged: {head.describe()}, sharding={label}, backend={backend}, "
             f"model={seam.family.model_type} ({type(causal_lm).__name__}; quirks: {', '.join(quirks) or 'none'}), "
-            f"guard={'on' if config.guard else 'off'}; loss computed {where}")
+            f"guard={'on' if config.guard else 'off'}; loss computed {where}"
+            + "".join(f"; {clause(causal_lm)}" for clause in causal_lm.__dict__.get(NOTES, ())))

@@ -5,6 +5,8 @@ difference of a near-zero gradient element reaches the weight at ~1e-5; the grad
 in ``test_v1.py``); the head is computed through units of its own (v1's FSDP2 engine really sharded it) and the guard
 checked step 1."""
 
+from importlib.metadata import version
+
 import pytest
 
 pytest.importorskip("llamafactory.v1")
@@ -35,7 +37,8 @@ def plain_ddp(assets, tmp_path_factory):
     return _run(assets, tmp_path_factory.mktemp("v1_plain_ddp") / "mts_plain", "mts", False, dist_config=None)
 
 
-def _pair(assets, tmp_path, head, command="sft", plain=None, **overrides):
+def _pair(assets, tmp_path, head, command="sft", plain=None, both=False, **overrides):
+    """The plugin's run against v1's own: its log (and v1's own run's, ``both``)."""
     runs = {False: plain or _run(assets, tmp_path / f"{head}_plain", head, False, command, **overrides),
             True: _run(assets, tmp_path / f"{head}_plugin", head, True, command, **overrides)}
     (_, plain_losses, plain_w), (log, plugin_losses, plugin_w) = runs[False], runs[True]
@@ -45,13 +48,21 @@ def _pair(assets, tmp_path, head, command="sft", plain=None, **overrides):
     for name, tensor in plain_w.items():
         assert rel(plugin_w[name], tensor) < 1e-4, name
     assert log.count("[liger_fsdp] engaged:") == 1 and "[liger_fsdp] guard: step 1 exact" in log, log[-6000:]
-    return log
+    return (log, runs[False][0]) if both else log
 
 
 @pytest.mark.parametrize("head", ["mts", "lora", "full"])
 def test_fsdp2_equals_v1s_own(assets, tmp_path, head):
-    log = _pair(assets, tmp_path, head)
+    """Also: each decoder layer is an FSDP2 unit with the plugin. Where v1's own run finds no decoder-layer class
+    (LLaMA-Factory 0.9.5, transformers 5, a PeftModel: its whole model is one unit) the plugin makes them units and its
+    engaged line counts them on the live model (``isinstance(layer, FSDPModule)``); elsewhere it changes nothing."""
+    log, plain_log = _pair(assets, tmp_path, head, both=True)
     assert "sharding=FSDP2" in log and UNITS[head] in log, log[-6000:]
+    missed = "Could not identify Transformer Layer class" in plain_log  # v1's own run: one unit, the whole model
+    assert "Applying per-layer FSDP to" in log and "Could not identify" not in log, log[-6000:]
+    assert ("each decoder layer made a unit, as LLaMA-Factory git main does (2 of 2 are FSDP2 units)" in log) == missed
+    if version("llamafactory") == "0.9.5":  # its finder misses a PeftModel's layers in transformers 5
+        assert missed == (head != "full"), plain_log[-6000:]
 
 
 def test_ddp_equals_v1s_own(assets, tmp_path, plain_ddp):

@@ -10,8 +10,9 @@ Always (hooked modules, :mod:`...hooked`):
   function (0.9.5) or a ``BaseKernel`` class (git main). v1 applies kernels after PEFT, before sharding; the entry
   engages the model (:func:`engage_v1`).
 
-Once a model engaged: :mod:`.v1_train` (``BaseTrainer.compute_log_probs``, v1's FSDP2 ``fully_shard``) and, in a DPO
-run, :mod:`.v1_dpo`. A score-head model of an RM run under CP is not engaged: :mod:`.cp_rm` takes its loss.
+Once a model engaged: :mod:`.v1_train` (``BaseTrainer.compute_log_probs``, v1's FSDP2 ``fully_shard``), :mod:`.layers`
+(v1's FSDP2 layer finder, where it misses the decoder layers) and, in a DPO run, :mod:`.v1_dpo`. A score-head model
+of an RM run under CP is not engaged: :mod:`.cp_rm` takes its loss.
 """
 
 from __future__ import annotations
@@ -206,6 +207,9 @@ def engage_v1(model: Any, kernel_config: Any = None):
     engage.hold(model, "v1 DPOTrainer under CP", lambda: v1_cp_dpo.patch(v1_cp.cp_size()))  # DPO, cp_size > 1
     if getattr(cfg.sharding, "kind", None) == sharding.FSDP2:
         engage.hold(model, "v1 fully_shard", v1_train.patch_fully_shard)
+        from . import layers as v1_layers
+
+        v1_layers.patch(model)  # each decoder layer a unit where v1's finder misses them (0.9.5, a PeftModel)
     if getattr(cfg.sharding, "kind", None) == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:
         engage.record_undo(model, zero3_dtypes(model))  # v1 loads under zero.init too
     return model
