@@ -344,6 +344,7 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
 # the package fixes in bytes or rows are divided too (:func:`twin_setup`), so the twin takes the GPU run's
 # code paths, and dropout keeps CUDA's bool mask. bench/RESULTS.md section 12 checks it against H200 runs.
 TWIN_ENV = "LF_BENCH_TWIN"  # the twin's s, in a launched run's environment
+LAYER_UNITS_ENV = "LF_BENCH_LAYER_UNITS"  # "1": a launched v1 run wraps each decoder layer (bench/v1_launch.py)
 TWIN_SIZES = (  # (module, constant, power of s it is divided by)
     ("ops.triton_common", "FAST_CHUNK_ROWS", 1), ("ops.triton_common", "FAST_CHUNK_MAX_BYTES", 2),
     ("ops.triton_common", "MAX_SLAB", 1), ("ops.triton_lean", "DEFAULT_MEM_BUDGET", 2),

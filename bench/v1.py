@@ -39,8 +39,8 @@ import subprocess
 import tempfile
 import time
 
-from common import (MODELS, ROOT, TWIN_ENV, append_row, build, card, card_key, commit, error_line,
-                    filling_words, log_line, now, shim, tiny_assets, twin_groups, twin_lines, twin_spec,
+from common import (LAYER_UNITS_ENV, MODELS, ROOT, TWIN_ENV, append_row, build, card, card_key, commit,
+                    error_line, filling_words, log_line, now, shim, tiny_assets, twin_groups, twin_lines, twin_spec,
                     versions)
 
 
@@ -117,6 +117,8 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
         shims = [shim("cpu_ulysses_shim")] if args.cp > 1 else []
         env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(shims + [shim("cpu_v1_shim"),
                                                                                 env.get("PYTHONPATH", "")]))
+    if args.layer_units:
+        env[LAYER_UNITS_ENV] = "1"
     if args.twin:
         env.update({TWIN_ENV: str(args.twin), "TRITON_INTERPRET": "1",
                     "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.cp))})
@@ -134,7 +136,10 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
            "engine": "v1", "modules_to_save": mts, "cutoff_len": args.cutoff, "steps": args.steps,
            "layers": args.layers, "micro_batch_size": args.micro_batch, "cp_size": args.cp,
            "rc": proc.returncode, "wall_s": round(time.time() - t0, 1), "engaged": log_line(log, "[liger_fsdp] engaged"),
-           "guard": log_line(log, "[liger_fsdp] guard"), "log": out + ".log"}
+           "guard": log_line(log, "[liger_fsdp] guard"), "log": out + ".log",
+           # v1's FSDP2 made each decoder layer a unit (it logs which), or the whole model one
+           "layer_units": True if "Applying per-layer FSDP" in log else False if "Could not identify" in log else None,
+           "layer_units_forced": args.layer_units}
     if proc.returncode != 0 or not os.path.exists(result):
         row.update(fits=False, error=error_line(log) or log[-400:])
         return row
@@ -178,6 +183,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2, help="decoder layers")
     ap.add_argument("--micro-batch", type=int, default=1, help="rows of --cutoff tokens a step (micro_batch_size)")
     ap.add_argument("--cp", type=int, default=1, help="Ulysses cp_size (that many ranks)")
+    ap.add_argument("--layer-units", action="store_true", help="v1's FSDP2 wraps each decoder layer as git main does "
+                    "(LLaMA-Factory 0.9.5 makes a PeftModel one unit; with the plugin engaged it does this itself)")
     ap.add_argument("--keep-heads", action="store_true", help="--twin: keep the head counts, divide the head "
                     "dimension (always so with --cp > 1)")
     args = ap.parse_args()

@@ -13,6 +13,8 @@ directory on ``PYTHONPATH``) hooks v1's modules as they load.
 With ``LF_BENCH_TWIN=s`` in the environment (bench/common.py's CPU memory twin) the package's size constants are
 divided by s, the whole run is profiled for its CPU allocations, and each step's ``peak_mib`` is the peak of allocated
 CPU memory in it, with its phases and the live allocations at the run's peak (``live_at_peak``; common.twin_peaks).
+With ``LF_BENCH_LAYER_UNITS=1`` v1's FSDP2 layer finder answers as git main's (the plugin's
+``integration.v1.layers.patch_finder``): each decoder layer a unit where LLaMA-Factory 0.9.5 makes the whole model one.
 """
 
 import contextlib
@@ -27,7 +29,7 @@ import torch
 import yaml
 from torch.autograd.profiler import record_function
 
-from common import TWIN_ENV, AllocationTimeline, twin_setup, twin_peaks
+from common import LAYER_UNITS_ENV, TWIN_ENV, AllocationTimeline, twin_peaks, twin_setup
 
 
 def main() -> None:
@@ -75,6 +77,10 @@ def main() -> None:
                           "tokens": tokens[0]})
 
     twin = int(os.environ.get(TWIN_ENV, "0") or 0)
+    if os.environ.get(LAYER_UNITS_ENV) == "1":  # v1 plain with each decoder layer a unit, as git main wraps it
+        from llamafactory_liger_fsdp.integration.v1 import layers
+
+        layers.patch_finder()
     extra = {"twin_constants": twin_setup(twin)} if twin else {}
     profiler = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
                 if twin else contextlib.nullcontext())

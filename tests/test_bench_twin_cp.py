@@ -12,32 +12,34 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results", "cpu_twin_cp.json")
+TOKENS = (131072,)  # the tokens a step the rows of LLaMA-Factory 0.9.5 with the layer-unit fix cover
 
 
 def test_committed_rows_cover_the_grid():
     with open(RESULTS) as f:
-        rows = json.load(f)["rows"]
+        rows = [r for r in json.load(f)["rows"] if r["llamafactory"] == "0.9.5"]
     grid = {(r["cp_size"], r["tokens"], r["variant"]): r for r in rows}
     assert len(grid) == len(rows), "one row per cp_size x tokens x variant"
     for cp in (1, 2, 4, 8):
-        for tokens in (131072, 262144):
-            for variant in ("plain", "plugin"):
+        for tokens in TOKENS:
+            for variant in ("plain", "plain-layers", "plugin"):
                 row = grid[(cp, tokens, variant)]
                 assert row["peak_gib_per_rank"] > 0 and row["fits"] == (row["peak_gib_per_rank"] <= row["card_gib"])
                 assert row["layers"] == 32 and len(row["ranks_gib"]) == cp
                 assert ("measured_peak_gib_per_rank" in row) == ("card" in row)
-    for tokens in (131072, 262144):  # more ranks, less a rank
-        for variant in ("plain", "plugin"):
+    for tokens in TOKENS:  # more ranks, less a rank
+        for variant in ("plain", "plain-layers", "plugin"):
             peaks = [grid[(cp, tokens, variant)]["peak_gib_per_rank"] for cp in (1, 2, 4, 8)]
             assert peaks == sorted(peaks, reverse=True), (tokens, variant, peaks)
-    assert not grid[(1, 262144, "plain")]["fits"]  # v1's fp32 logits alone: 262144 x 128256 x 4 bytes = 125 GiB
+    assert not grid[(1, 131072, "plain")]["fits"]  # v1's fp32 logits alone: 131072 x 128256 x 4 bytes = 63 GiB, x 3
 
 
-def _run_row(cp, depth, variant, peaks, first):
-    """A bench/v1.py twin row: each rank's peak (step 2's) and its step-1 peak."""
+def _run_row(cp, depth, variant, peaks, first, lf):
+    """A bench/v1.py twin row: each rank's peak (step 2's) and its step-1 peak; v1 wrapped each decoder layer."""
     return {"twin": 32, "cp_size": cp, "cutoff_len": 4096, "micro_batch_size": 2, "layers": depth,
             "variant": variant, "fits": True, "peak_gib": max(peaks), "peak_gib_per_rank": peaks,
-            "step_peaks_gib_per_rank": [[f, p] for f, p in zip(first, peaks)]}
+            "step_peaks_gib_per_rank": [[f, p] for f, p in zip(first, peaks)], "layer_units": True,
+            "versions": {"llamafactory": lf}}
 
 
 def test_rows_from_held_runs_extrapolate_in_depth(tmp_path, monkeypatch):
@@ -50,20 +52,27 @@ def test_rows_from_held_runs_extrapolate_in_depth(tmp_path, monkeypatch):
     finally:
         sys.path.pop(0)
     runs = tmp_path / "runs.json"
-    held = [_run_row(1, 1, "plain-head", [20.0], [19.0]), _run_row(1, 2, "plain-head", [21.0], [20.0]),
-            _run_row(1, 1, "plugin-head", [8.0], [7.0]), _run_row(1, 2, "plugin-head", [9.0], [8.5]),
-            _run_row(2, 1, "plain-head", [10.0, 10.5], [9.0, 9.0]),
-            _run_row(2, 2, "plain-head", [13.0, 9.5], [12.0, 9.5]),
-            _run_row(2, 1, "plugin-head", [4.0, 4.0], [3.0, 3.0]),
-            _run_row(2, 2, "plugin-head", [4.5, 4.5], [3.5, 3.5])]
+    lf = twin_cp.LF
+    held = [_run_row(1, 1, "plain-head", [20.0], [19.0], lf), _run_row(1, 2, "plain-head", [21.0], [20.0], lf),
+            _run_row(1, 1, "plugin-head", [8.0], [7.0], lf), _run_row(1, 2, "plugin-head", [9.0], [8.5], lf),
+            _run_row(2, 1, "plain-head", [10.0, 10.5], [9.0, 9.0], lf),
+            _run_row(2, 2, "plain-head", [13.0, 9.5], [12.0, 9.5], lf),
+            _run_row(2, 1, "plugin-head", [4.0, 4.0], [3.0, 3.0], lf),
+            _run_row(2, 2, "plugin-head", [4.5, 4.5], [3.5, 3.5], lf),
+            dict(_run_row(2, 2, "plugin-head", [0.5, 0.5], [0.5, 0.5], lf), superseded="before a fix"),
+            _run_row(2, 2, "plugin-head", [0.5, 0.5], [0.5, 0.5], "0.0.1")]  # another LLaMA-Factory's
     runs.write_text(json.dumps({"rows": held}))
-    monkeypatch.setattr(twin_cp, "twin_run", lambda *a: pytest.fail(f"launched {a[1:]} though it was held"))
+    launch, run = twin_cp.V1, subprocess.run
+    monkeypatch.setattr(twin_cp.subprocess, "run", lambda cmd, **kw: pytest.fail(f"launched {cmd} though it was held")
+                        if launch in cmd else run(cmd, **kw))
     out = tmp_path / "rows.json"
+    out.write_text(json.dumps({"rows": [{"llamafactory": "0.0.1", "variant": "kept"}, {"variant": "dropped"}]}))
     monkeypatch.setattr(sys, "argv", ["twin_cp.py", "--cps", "2", "--tokens", "8192", "--depths", "1,2", "--extra", "",
                                       "--check-depth", "0", "--runs-out", str(runs), "--out", str(out),
                                       "--cards", str(tmp_path / "none.json")])
     twin_cp.main()
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"kept", "plain", "plugin"} and rows["plugin"]["llamafactory"] == lf  # plain-layers: = plain
     plain, plugin = rows["plain"], rows["plugin"]
     # k / cp = 0.5: rank 0 (10 + 15.5 + 13 + 15) / 2, rank 1 (10.5 + 15.5 + 9.5 + 15) / 2
     assert plain["ranks_gib"] == [26.75, 25.25] and plain["peak_gib_per_rank"] == 26.75
