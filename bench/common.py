@@ -1,13 +1,8 @@
-"""What the bench scripts share (no script imports another): row fields (``now``, ``versions``, ``commit``, ``card``,
-``card_key``), row files (``load_rows``, ``append_row``, ``dump_json``), the package's CPU shims (``shim``), LLaMA-Factory
-runs (``MODELS``, ``VARIANTS``, ``build``, ``run`` -> one row, ``ds_json``, ``DEPTH_MODEL``) and the CPU memory twin
-(``twin_*``, ``AllocationTimeline``). A script runs as ``python bench/x.py`` from the repository root, so this module
-imports as ``common``; nothing here imports torch at import time (bench/depth.py's process holds no CUDA context).
-
-    python bench/common.py build WORK NAME --layers 32 --max-position 131072 --rows 1400 --answer-words 300 500
-
-builds a model in a process of its own, so the caller never holds a CUDA context (half a GiB the runs would lack).
-"""
+"""What the bench scripts share (no script imports another; ``python bench/x.py`` from the repository root imports this
+as ``common``; no torch at import time): row fields and files, the package's CPU shims, LLaMA-Factory runs
+(``run`` -> one row) and the CPU memory twin (``twin_*``, ``AllocationTimeline``).
+``python bench/common.py build WORK NAME --layers 32 ...`` builds a model in a process of its own (the caller then
+holds no CUDA context: half a GiB the runs would lack)."""
 
 from __future__ import annotations
 
@@ -60,8 +55,7 @@ def commit() -> str | None:
 
 
 def card() -> str:
-    """The GPU as nvidia-smi names it, with its memory and driver ("cpu" without one) -- read without torch, so the
-    caller never opens a CUDA context."""
+    """The GPU as nvidia-smi names it, with its memory and driver ("cpu" without one); no CUDA context opened."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=30)
@@ -81,7 +75,7 @@ def card_key(name: str) -> str:
 
 
 def dump_json(path: str, obj) -> None:
-    """``obj`` to ``path`` (indent 1), written to a temporary file first and moved into place."""
+    """``obj`` to ``path`` (indent 1), through a temporary file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=1)
@@ -101,8 +95,7 @@ def append_row(path: str, row: dict) -> None:
 
 
 def shim(name: str) -> str:
-    """The directory of ``llamafactory_liger_fsdp/testing/<name>`` (``cpu_fsdp_shim``, ``cpu_v1_shim``) that a CPU run
-    puts on PYTHONPATH; found without importing the package."""
+    """``llamafactory_liger_fsdp/testing/<name>``, a CPU shim for PYTHONPATH (found without importing the package)."""
     from importlib.util import find_spec
 
     return os.path.join(list(find_spec("llamafactory_liger_fsdp").submodule_search_locations)[0], "testing", name)
@@ -125,6 +118,10 @@ VARIANTS = {
     "liger+liger_fsdp": {"enable_liger_kernel": True, "liger_fsdp": True},  # Liger's other kernels, our loss
     "liger_fsdp_noguard": {"liger_fsdp": True, "liger_fsdp_guard": False},  # the step-1 guard's cost
 }
+# --smoke runs: one CPU process, no FSDP / DeepSpeed, fp32; Liger's fused loss only, interpreted
+SMOKE_CFG = dict(fsdp=None, fsdp_config=None, bf16=None, use_cpu=True, preprocessing_num_workers=None)
+SMOKE_ENV = dict(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", LF_BENCH_LIGER_LOSS_ONLY="1",
+                 OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 ZERO3 = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
          "gradient_clipping": "auto", "zero_allow_untested_optimizer": True, "bf16": {"enabled": "auto"},
          "zero_optimization": {"stage": 3, "overlap_comm": False, "contiguous_gradients": True,
@@ -132,8 +129,7 @@ ZERO3 = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "
 
 
 def tiny_assets(mdir: str, *options) -> str:
-    """recipes/tiny_cpu/make_assets.py's tokenizer, data (and, without ``--no-model``, tiny model) in ``mdir``, made
-    once; returns ``mdir``."""
+    """recipes/tiny_cpu/make_assets.py's assets in ``mdir`` (made once); returns ``mdir``."""
     done = os.path.join(mdir, "data/dataset_info.json" if "--no-model" in options else "model/config.json")
     if not os.path.exists(done):
         subprocess.run([sys.executable, MAKE_ASSETS, mdir, *map(str, options)], check=True, capture_output=True)
@@ -142,10 +138,9 @@ def tiny_assets(mdir: str, *options) -> str:
 
 def build(work, name, spec, layers, rows=400, answer_words=(300, 500), *, max_position=32768, seed=None,
           device="cuda"):
-    """WORK/NAME: tokenizer + data from recipes/tiny_cpu/make_assets.py, the model of ``spec`` (a ``MODELS`` value or a
-    :func:`twin_spec` of one) at ``layers`` decoder layers and ``max_position`` embeddings from its config, random
-    weights (``seed``: torch's seed first) made on ``device``, bf16, untied head, saved once under WORK/NAME/model (a
-    later call reuses it; config.json lands last, so a stopped build is not taken as done)."""
+    """WORK/NAME: make_assets.py's tokenizer and data, and the model of ``spec`` (a ``MODELS`` value or a
+    :func:`twin_spec`) at ``layers`` layers, random bf16 weights, untied head, saved once (config.json last, so a
+    stopped build is not taken as done)."""
     mdir = os.path.join(work, name)
     if os.path.exists(os.path.join(mdir, "model", "config.json")):
         return mdir
@@ -185,8 +180,7 @@ DEPTH_MODEL = dict(name="llama3-8b-L32", spec="llama3-8b", layers=32, max_positi
 
 
 def build_depth_model(work: str) -> str:
-    """WORK/llama3-8b-L32 (``DEPTH_MODEL``), built once a machine in a process of its own (the caller holds no CUDA
-    context); returns its directory."""
+    """WORK/llama3-8b-L32 (``DEPTH_MODEL``), built once in a process of its own; returns its directory."""
     d = DEPTH_MODEL
     mdir = os.path.join(work, d["name"])
     if not os.path.exists(os.path.join(mdir, "model", "config.json")):
@@ -199,8 +193,7 @@ def build_depth_model(work: str) -> str:
 
 
 def preflight(module: str) -> None:
-    """Import ``module`` in a child of this interpreter (same environment): a call whose runs need it stops here,
-    in seconds, naming the import error and the fix, not after building the model and failing every run."""
+    """Stop in seconds, naming the fix, where ``module`` does not import (not after building the model)."""
     proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True)
     if proc.returncode:
         last = (proc.stderr.strip().splitlines() or ["?"])[-1]
@@ -208,9 +201,8 @@ def preflight(module: str) -> None:
 
 
 def ds_json(work: str, stage: int = 3, persistence: float | None = None) -> str:
-    """A DeepSpeed json under WORK: ``ZERO3`` (``stage3_param_persistence_threshold`` = ``persistence`` when given,
-    else auto; WORK/ds_z3_<persistence or auto>.json), or for ``stage`` 2 ZeRO-2 with LLaMA-Factory's ds_z2 buckets
-    (WORK/ds_z2.json)."""
+    """A DeepSpeed json under WORK: ``ZERO3`` (``persistence``: its param persistence threshold), or ZeRO-2 with
+    LLaMA-Factory's ds_z2 buckets."""
     if stage == 3:
         config = json.loads(json.dumps(ZERO3))
         if persistence is not None:
@@ -233,9 +225,8 @@ def log_line(log, needle):
 
 
 def error_line(log):
-    """The first line naming an exception (not torchrun's ChildFailedError), from a worker's ``[rankN]:`` traceback
-    if there is one, with the failing statement when the exception has no message (a bare ``AssertionError``);
-    None when there is none."""
+    """The first line naming an exception (not torchrun's ChildFailedError), a worker's ``[rankN]:`` one first; a bare
+    exception with the statement above it."""
     lines = log.splitlines()
     for group in ([l for l in lines if re.match(r"^\[rank\d+\]:", l)], lines):
         group = [re.sub(r"^\[rank\d+\]:\s?", "", l).rstrip() for l in group]
@@ -248,14 +239,36 @@ def error_line(log):
     return None
 
 
+def torchrun(nproc: int, argv: list, env: dict | None, timeout: float, log_path: str) -> tuple:
+    """``torchrun`` on a free port, ``env`` over this environment (None removes a variable), stopped after ``timeout``
+    s (SIGTERM: torchrun ends its workers); (returncode, log, timed out), the log also to ``log_path``."""
+    env = {k: v for k, v in dict(os.environ, **(env or {})).items() if v is not None}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    proc = subprocess.Popen(["torchrun", "--nproc_per_node", str(nproc), "--master_port", port, *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    timed_out = False
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        proc.terminate()  # torchrun passes SIGTERM on to its workers (a SIGKILL would leave them running)
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+    with open(log_path, "w") as f:
+        f.write(stdout + stderr)
+    return proc.returncode, stdout + stderr, timed_out
+
+
 def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=16384, overrides=None, env=None, tag=None,
         timeout=900):
-    """One `llamafactory-cli train`-equivalent run (torchrun + bench/lf_bench_launch.py); returns its row.
-
-    LoRA r16 ``all`` + embed_tokens,lm_head, FSDP ``fsdp_version`` over ``nproc`` ranks, bf16, packing to ``cutoff``
-    tokens, ``VARIANTS[variant]``'s keys. ``overrides`` update the yaml (e.g. ``fsdp_config`` keys; a value of None
-    removes the key), ``env`` the environment (a value of None removes a variable). A run still going after
-    ``timeout`` s is stopped (SIGTERM: torchrun ends its workers) and gives an error row."""
+    """One `llamafactory-cli train`-equivalent run (bench/lf_bench_launch.py); its row. LoRA r16 ``all`` +
+    embed_tokens,lm_head, FSDP ``fsdp_version`` over ``nproc`` ranks, bf16, packing to ``cutoff`` tokens,
+    ``VARIANTS[variant]``; ``overrides`` update the yaml (None removes a key), ``env`` the environment."""
     out = os.path.join(work, tag or f"{os.path.basename(mdir)}_{variant}")
     fsdp_config = {"version": fsdp_version, "transformer_layer_cls_to_wrap": spec["layer"]}
     if fsdp_version == 1:
@@ -285,36 +298,20 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
     res_path = out + ".json"
     if os.path.exists(res_path):
         os.remove(res_path)
-    run_env = dict(os.environ, FSDP_STATE_DICT_TYPE="FULL_STATE_DICT", DISABLE_VERSION_CHECK="1", **(env or {}))
-    run_env = {k: v for k, v in run_env.items() if v is not None}
-    with socket.socket() as sock:  # a free rendezvous port: torchrun's default 29500 may be taken beside this run
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    proc = subprocess.Popen(["torchrun", "--nproc_per_node", str(nproc), "--master_port", port,
-                             os.path.join(ROOT, "bench", "lf_bench_launch.py"), path, res_path],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env)
-    timed_out = False
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        proc.terminate()  # torchrun passes SIGTERM on to its workers (a SIGKILL would leave them running)
-        try:
-            stdout, stderr = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
-    log = stdout + stderr
-    with open(out + ".log", "w") as f:
-        f.write(log)
+    env = dict(FSDP_STATE_DICT_TYPE="FULL_STATE_DICT", DISABLE_VERSION_CHECK="1", **(env or {}))
+    rc, log, timed_out = torchrun(nproc, [os.path.join(ROOT, "bench", "lf_bench_launch.py"), path, res_path], env,
+                                  timeout, out + ".log")
     row = {"model": os.path.basename(mdir), "variant": variant, "log": out + ".log", "nproc": nproc, "fsdp_version": fsdp_version,
-           "tokens_per_gpu_step": cutoff, "rc": proc.returncode or (0 if os.path.exists(res_path) else 1),
-           "engaged": log_line(log, "[liger_fsdp] engaged"), "memory_line": log_line(log, "[liger_fsdp] memory")}
-    if proc.returncode != 0 or not os.path.exists(res_path):
+           "tokens_per_gpu_step": cutoff, "rc": rc or (0 if os.path.exists(res_path) else 1),
+           "engaged": log_line(log, "[liger_fsdp] engaged"), "memory_line": log_line(log, "[liger_fsdp] memory"),
+           "guard": log_line(log, "[liger_fsdp] guard"), "liger_line": log_line(log, "Liger kernel has been applied"),
+           "cast": log_line(log, "[liger_fsdp] DeepSpeed ZeRO-3: train"),
+           "trace_invalidated": log.count("Invalidate trace cache")}
+    if rc != 0 or not os.path.exists(res_path):
         errs = [l for l in log.splitlines() if "Error" in l or "error:" in l]
         row["error"] = (f"timeout: the run was stopped after {timeout:.0f} s" if timed_out else
                         error_line(log) or (errs[-1] if errs else log[-600:])[:400])
-        row["log_tail"] = log[-3000:]
+        row["log_tail"] = log[-3000:].split("torch/distributed/elastic")[0][-1500:]  # the worker's, not torchrun's
         return row
     res = json.load(open(res_path))
     steps = res["steps"]
@@ -354,10 +351,8 @@ TWIN_SIZES = (  # (module, constant, power of s it is divided by)
 
 
 def twin_spec(spec: dict, s: int, keep_heads: bool = False) -> dict:
-    """``spec`` (a ``MODELS`` value) with hidden, intermediate, vocabulary and head counts divided by ``s`` (the head
-    dimension stays: attention's terms then scale like the rest); ``keep_heads``: the head counts stay and the head
-    dimension is divided instead (Ulysses splits heads across the CP ranks; the [T, heads] softmax statistics then
-    scale by s, not s^2)."""
+    """``spec`` with hidden, intermediate, vocabulary and head counts divided by ``s`` (the head dimension stays);
+    ``keep_heads``: the head counts stay and the head dimension is divided (Ulysses splits heads over CP ranks)."""
     out = dict(spec)
     for key in ("hidden_size", "intermediate_size", "vocab_size") + (() if keep_heads else
                                                                       ("num_attention_heads", "num_key_value_heads")):
@@ -366,14 +361,11 @@ def twin_spec(spec: dict, s: int, keep_heads: bool = False) -> dict:
 
 
 def twin_setup(s: int) -> list:
-    """In a twin's training process: divide the package's absolute sizes (``TWIN_SIZES``) by ``s`` (or s^2), make
-    dropout keep a bool mask as CUDA's fused kernel does (the CPU's ``F.dropout`` keeps it in the input's dtype: 4x
-    the bytes for v1's fp32 LoRA inputs), and give loaded weights allocations of their own, as on a GPU: on the CPU
-    transformers leaves them views of the checkpoint file, read into one storage that lives while any view does (one
-    allocation of the whole model, where a GPU has a copy per tensor that frees with it) -- ``from_pretrained`` runs
-    inside the CPU-only scope (``ops.upcast.SCOPE``: the twin leaves its allocations and their frees out) and each
-    loaded tensor is then copied once, outside it; the interpreted kernels take 128-row blocks (fewer programs, the
-    same values and allocations). Returns what was done, ``[name=value]``."""
+    """In a twin's training process, what makes the CPU allocate as a GPU would: the package's absolute sizes
+    (``TWIN_SIZES``) divided; dropout keeping a bool mask (CUDA's kernel; the CPU's keeps the input dtype); each
+    loaded weight an allocation of its own (on the CPU transformers leaves views of one checkpoint storage; the load
+    runs in ``ops.upcast.SCOPE``, left out, and each tensor is copied once); 128-row interpreted blocks (same values,
+    fewer programs). Returns what was done, ``[name=value]``."""
     import importlib
 
     import torch
@@ -412,11 +404,9 @@ def twin_setup(s: int) -> list:
 
 
 class AllocationTimeline:
-    """The CPU allocations of a run profiled with ``torch.profiler.profile(profile_memory=True)``: live bytes over
-    time, the peak inside a window, and what is live at it, each allocation named by the ops around it (its op, and
-    the nearest FSDP / optimizer / autograd-function / ``## marker`` scope). Exact allocated bytes: what
-    ``torch.cuda.max_memory_allocated`` counts on a GPU, less its 512-byte rounding, and less the copies only a CPU
-    makes (``llamafactory_liger_fsdp.ops.upcast``)."""
+    """The CPU allocations of a run profiled with ``profile_memory=True``: live bytes over time, the peak in a window
+    and what is live at it, each allocation named by its op and nearest scope (FSDP, optimizer, autograd function,
+    ``## marker``); the CPU-only copies of ``ops.upcast`` left out."""
 
     SCOPES = ("FSDP::", "Optimizer.", "## ", "autograd::engine::evaluate_function: ")
 
@@ -491,11 +481,9 @@ class AllocationTimeline:
 
 
 def twin_peaks(timeline: AllocationTimeline, steps: list) -> tuple:
-    """Each step's CPU peaks into ``steps`` (dicts in step order): ``peak_mib`` (the step, between its ``## step``
-    marks), ``before_peak_mib`` (from the previous step's end -- for step 1 the profiler's start: the set-up -- to its
-    start), ``forward_peak_mib`` (its ``## forward`` marks: the trainer's loss call), ``backward_peak_mib`` (from
-    there to the optimizer step), ``optimizer_peak_mib``; returns the groups live at the highest step peak and at the
-    set-up's peak (each ``[{label, each_mib, count}]``)."""
+    """Each step's CPU peaks into ``steps``: ``peak_mib`` (its ``## step`` marks), ``before_peak_mib`` (since the last
+    step; step 1: the set-up), ``forward`` / ``backward`` / ``optimizer_peak_mib``; returns the groups live at the
+    highest step peak and at the set-up's (``[{label, each_mib, count}]``)."""
     forwards, opts = timeline.windows("## forward"), timeline.windows("Optimizer.step")
     best, setup, prev_end = (0, 0), (0, 0), 0
     for i, (step, (t0, t1)) in enumerate(zip(steps, timeline.windows("## step"))):

@@ -1,23 +1,12 @@
-"""Real-depth LLaMA-Factory runs on one GPU (world size 1), plain against the plugin, one JSON row per run.
+"""Real-depth LLaMA-Factory runs on one GPU (world size 1), plain against the plugin, one JSON row per run appended to
+``--out`` (``{card}``: the card's short name, so each card has its own file).
 
-Parts:
-  sft  the Llama-3-8B shape at its 32 layers (real 128k head, untied, random weights, max_position_embeddings 131072),
-       packing (one row of ``cutoff`` tokens a step); variants plain, liger (``enable_liger_kernel``), plugin
-       (``liger_fsdp: true``), plugin+liger (both), plugin-lean / plugin-lean+liger (``liger_fsdp_backend: triton``),
-       plugin-noguard (``liger_fsdp_guard: false``); ``--sharding`` fsdp2, zero3 (DeepSpeed ZeRO-3 as shipped) or
-       zero3-persist (every parameter persistent: no per-layer gather / release)
-  dpo  the same model, sigmoid DPO, the reference = the adapter disabled, one pair a step, both sides filled to the cutoff
-  vlm  the Qwen2.5-VL-7B shape at its depth (28 layers, the 32-block vision tower, 152k head), a processor built here,
-       one 448 x 448 image a sample (256 image tokens), answers filling the cutoff
-Every run: LoRA r16 ``lora_target: all`` + ``additional_target: embed_tokens,lm_head``, bf16, FSDP2 (or ZeRO-3), gradient
-checkpointing, through bench/common.py's ``run`` (torchrun + bench/lf_bench_launch.py). tokens/s = the step's tokens /
-median step time after step 1; peak = ``torch.cuda.max_memory_allocated``; the set-up's and each phase's peak too.
-
-Run r plays each --cutoffs' variants back to back, in order on even r and reversed on odd r. ``--search``: per
-variant, from the first --cutoffs up the ladder (4k ... 128k) while it trains, down while it does not: the longest
-cutoff that trains. ``--deadline S``: no run starts after S s, and a run still going then is stopped (it leaves no row).
-Rows are appended to --out: ``{card}`` in it is the card's short name (h200, h100, ...), so a card's rows go to its
-own file. ``table`` prints each card's table and ratios from --out; ``--plot`` also draws sft's two charts beside it.
+Parts: ``sft`` -- the Llama-3-8B shape at its 32 layers, packing; variants plain, liger, plugin, plugin+liger,
+plugin-lean(+liger), plugin-noguard; ``--sharding`` fsdp2, zero3 or zero3-persist. ``dpo`` -- the same model, sigmoid,
+one pair a step filling the cutoff a side. ``vlm`` -- the Qwen2.5-VL-7B shape (28 layers, its vision tower), one
+448 x 448 image a sample. Every run: bench/common.py's ``run`` (LoRA r16 all + embed_tokens,lm_head, bf16, checkpointing).
+``--search``: per variant, up the ladder (4k ... 128k) while it trains, down while it does not. ``table`` prints each
+card's table and ratios (``--plot``: sft's charts beside --out). Setup and findings: bench/RESULTS.md section 10.
 
     python bench/depth.py sft --variants plain,liger,plugin,plugin+liger --cutoffs 32768 --search
     python bench/depth.py sft --variants plugin --cutoffs 16384,32768 --sharding zero3 --steps 8
@@ -29,18 +18,16 @@ own file. ``table`` prints each card's table and ratios from --out; ``--plot`` a
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from common import (DEPTH_MODEL, MODELS, ROOT, append_row, build_depth_model, card, card_key, ds_json, filling_words,
-                    load_rows, log_line, now, preflight, run, tiny_assets, versions)
+from common import (DEPTH_MODEL, MODELS, ROOT, SMOKE_CFG, SMOKE_ENV, append_row, build_depth_model, card, card_key,
+                    ds_json, filling_words, load_rows, now, preflight, run, tiny_assets, versions)
 
 LADDER = (4096, 8192, 16384, 32768, 65536, 131072)  # the top is DEPTH_MODEL's max_position
 VARIANTS = {  # row variant -> (bench/common.py's VARIANTS key, extra yaml keys)
@@ -51,9 +38,6 @@ VARIANTS = {  # row variant -> (bench/common.py's VARIANTS key, extra yaml keys)
 }
 PAIRS = (("plain", "plugin"), ("liger", "plugin+liger"))  # (baseline, ours) compared in the table
 DEFAULT_CUTOFFS = {"sft": "32768", "dpo": "2048,8192", "vlm": "8192,16384"}
-WORDS = "the image shows a red blue green square circle cat dog on left right top bottom what color shape is".split()
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-           "<|video_pad|>"]
 QWEN25_VL_7B = dict(
     text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
               num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rms_norm_eps=1e-6,
@@ -70,35 +54,16 @@ def short(cutoff):
 # ---------------------------------------------------------------------------------------------------------- assets
 
 
-def _vlm_rows(n: int, words: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    say = lambda k: " ".join(rng.choice(WORDS) for _ in range(k))  # noqa: E731
-    return [{"messages": [{"role": "user", "content": f"<image>{say(rng.randint(5, 12))}?"},
-                          {"role": "assistant", "content": say(words) + "."}],
-             "images": [f"images/{i % 4}.png"]} for i in range(n)]
-
-
 def vlm_assets(work: str, cutoff: int, smoke: bool) -> tuple[str, str]:
-    """(model dir, data dir): the Qwen2.5-VL model (smoke: the tiny test config) with its processor, and image rows
-    whose answers fill ``cutoff`` (one word a token with this tokenizer)."""
+    """(model dir, data dir): the Qwen2.5-VL model (smoke: the tiny test config) with its processor
+    (llamafactory_liger_fsdp/testing/vlm_assets.py), and image rows whose answers fill ``cutoff``."""
+    from llamafactory_liger_fsdp.testing import vlm_assets as assets
+
     mdir = os.path.join(work, "qwen2.5-vl-7b" if not smoke else "smoke-vl")
     data = os.path.join(mdir, f"data_{cutoff}")
-    if not os.path.exists(os.path.join(data, "dataset_info.json")):
-        os.makedirs(os.path.join(data, "images"), exist_ok=True)
-        from PIL import Image
-
-        side = IMAGE_SIDE if not smoke else 56
-        rng = random.Random(1)
-        for i in range(4):  # noise, so the image processor's resize keeps real content
-            Image.frombytes("RGB", (side, side), bytes(rng.randrange(256) for _ in range(side * side * 3))).save(
-                os.path.join(data, "images", f"{i}.png"))
-        with open(os.path.join(data, "tiny_mm.json"), "w") as f:
-            json.dump(_vlm_rows(24, cutoff), f)
-        with open(os.path.join(data, "dataset_info.json"), "w") as f:
-            json.dump({"tiny_mm": {"file_name": "tiny_mm.json", "formatting": "sharegpt",
-                                   "columns": {"messages": "messages", "images": "images"},
-                                   "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
-                                            "assistant_tag": "assistant"}}}, f)
+    side = IMAGE_SIDE if not smoke else 56
+    if not os.path.exists(os.path.join(data, "dataset_info.json")):  # one word a token with this tokenizer
+        assets.write_data(data, assets.rows(24, (cutoff, cutoff), (5, 12)), side, noise=True)
     if not os.path.exists(os.path.join(mdir, "model", "config.json")):
         subprocess.run([sys.executable, os.path.abspath(__file__), "build-vlm", "--work", mdir]
                        + (["--smoke"] if smoke else []), check=True)  # a process of its own: this one holds no CUDA
@@ -107,38 +72,20 @@ def vlm_assets(work: str, cutoff: int, smoke: bool) -> tuple[str, str]:
 
 def build_vlm(mdir: str, smoke: bool) -> None:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (AutoModelForImageTextToText, PreTrainedTokenizerFast, Qwen2_5_VLProcessor,
-                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+    from transformers import AutoModelForImageTextToText
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    texts = [m["content"] for r in _vlm_rows(64, 40) for m in r["messages"]] + ["You are a helpful assistant."]
-    tok.train_from_iterator(texts * 4, trainers.BpeTrainer(vocab_size=360, special_tokens=SPECIAL,
-                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=SPECIAL[1:])
-    out = os.path.join(mdir, "model")
-    side = IMAGE_SIDE if not smoke else 56
-    Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=side * side, max_pixels=side * side),
-                        video_processor=Qwen2VLVideoProcessor(), tokenizer=fast,
-                        chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}").save_pretrained(out)
-    ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIAL}
-    if smoke:
-        from llamafactory_liger_fsdp.testing import make_config
+    from llamafactory_liger_fsdp.testing import make_config, vlm_assets
 
-        config = make_config("qwen2_5_vl")
-    else:
-        config = CONFIG_MAPPING["qwen2_5_vl"](text_config=QWEN25_VL_7B["text"], vision_config=QWEN25_VL_7B["vision"],
-                                              tie_word_embeddings=False)
-    config.image_token_id, config.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
-    config.vision_start_token_id, config.vision_end_token_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
-    config.text_config.eos_token_id, config.text_config.pad_token_id = ids["<|im_end|>"], ids["<|endoftext|>"]
+    side = IMAGE_SIDE if not smoke else 56
+    wire = vlm_assets.save_processor(os.path.join(mdir, "model"), vlm_assets.rows(64, (40, 40), (5, 12)),
+                                     side * side, side * side, v2_5=True)
+    config = make_config("qwen2_5_vl") if smoke else CONFIG_MAPPING["qwen2_5_vl"](
+        text_config=QWEN25_VL_7B["text"], vision_config=QWEN25_VL_7B["vision"], tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device("cpu" if smoke else "cuda"):
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32 if smoke else torch.bfloat16)
-    model.save_pretrained(out)
+        model = AutoModelForImageTextToText.from_config(wire(config), dtype=torch.float32 if smoke else torch.bfloat16)
+    model.save_pretrained(os.path.join(mdir, "model"))
 
 
 def setup(args, cutoff: int) -> tuple[str, dict, dict]:
@@ -173,16 +120,14 @@ def one_run(args, meta, variant, cutoff, nrun, timeout) -> dict | None:
     if args.sharding != "fsdp2" and not args.smoke:
         persistence = 1e11 if args.sharding == "zero3-persist" else None
         cfg.update(fsdp=None, fsdp_config=None, deepspeed=ds_json(args.work, persistence=persistence))
-    if args.smoke:  # one CPU process: no FSDP / DeepSpeed, fp32; Liger's loss only, interpreted
-        cfg.update(fsdp=None, fsdp_config=None, bf16=None, use_cpu=True, preprocessing_num_workers=None)
-        env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", LF_BENCH_LIGER_LOSS_ONLY="1",
-                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if args.smoke:
+        cfg.update(SMOKE_CFG)
+        env.update(SMOKE_ENV)
     t0 = time.monotonic()
     row = run(mdir, spec, key, args.steps, args.work, cutoff=cutoff, overrides=cfg, env=env, timeout=timeout,
               tag=f"{args.part}_{args.sharding}_{variant}_{cutoff}_r{nrun}")
     if str(row.get("error", "")).startswith("timeout") and args.deadline:
         return None
-    log = open(row["log"]).read() if row.get("log") and os.path.exists(row["log"]) else ""
     done = len(row.get("step_times") or [])
     fits = not row.get("rc") and done == args.steps
     model = {"sft": "llama3-8b", "dpo": "llama3-8b", "vlm": "qwen2.5-vl-7b"}[args.part]
@@ -195,11 +140,8 @@ def one_run(args, meta, variant, cutoff, nrun, timeout) -> dict | None:
                steps=args.steps, step_times=row.get("step_times"), step_s=row.get("step_s"),
                tokens_per_step=row.get("tokens_per_step"), wall_s=round(time.monotonic() - t0, 1),
                **{f"{p}_peak_gib": row.get(f"{p}_peak_gib") for p in ("setup", "between", "forward", "backward", "optimizer")},
-               engaged=row.get("engaged"), guard=log_line(log, "[liger_fsdp] guard"), memory_line=row.get("memory_line"),
-               liger_line=log_line(log, "Liger kernel has been applied"),
-               cast=log_line(log, "[liger_fsdp] DeepSpeed ZeRO-3: train"),
-               log_tail=None if fits else (row.get("log_tail") or "").split("torch/distributed/elastic")[0][-1500:],
-               smoke=args.smoke, **meta)
+               **{k: row.get(k) for k in ("engaged", "guard", "memory_line", "liger_line", "cast")},
+               log_tail=None if fits else row.get("log_tail"), smoke=args.smoke, **meta)
     if args.part != "sft":
         out["part"] = args.part
     return out

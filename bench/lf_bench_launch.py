@@ -1,27 +1,12 @@
-"""Launch one LLaMA-Factory training (like llamafactory/launcher.py) with a timing/memory callback.
+"""Launch one LLaMA-Factory training (as llamafactory/launcher.py) with a timing and memory callback:
 
     torchrun --nproc_per_node N bench/lf_bench_launch.py sft.yaml result.json
 
-Records per step, on every rank: wall time (device-synchronised), the peak of
-``torch.cuda.max_memory_allocated()`` so far (0 on CPU), its peak before the step (``before_peak_mib``: since the
-last optimizer step; at step 1 the set-up -- model load, wrapping, optimizer creation) and its peaks in
-forward+backward and in the optimizer step, and the loss that ``Trainer.training_step`` returned, unrounded (the logged loss
-is rounded to 4 digits; the returned one is fp32 on the CPU and already bf16 under FSDP2 + bf16). Rank 0 writes them to result.json:
-``steps`` (rank 0's timings), ``losses`` (the logged, rounded ones), ``step_losses`` (per step, the
-mean over ranks of the summed micro-batch losses) and ``peak_mib_per_rank``. The final save_model is
-skipped (benchmark only: writing multi-GB embed/head copies says nothing about the loss).
-
-``LF_BENCH_LIGER_LOSS_ONLY=1`` (CPU smoke runs only): ``enable_liger_kernel`` then installs only
-Liger's fused loss -- its RMSNorm/RoPE/SwiGLU Triton kernels do not run under the CPU interpreter,
-and the failure being reproduced is in the fused loss alone.
-
-``LF_BENCH_COMPUTE_DTYPE=1``: every trainable parameter cast to the compute dtype right after LLaMA-Factory's
-``load_model`` (sft, dpo and kto workflows; ``precision.to_compute_dtype``), the line ``[lf_bench] compute dtype:``
-says what was cast -- the same-dtype-policy baselines under ZeRO-3.
-
-``LF_BENCH_TWIN=s`` (bench/common.py's CPU memory twin): the package's size constants divided by s, the run profiled
-for its CPU allocations; each step's ``peak_mib`` and phase peaks are then allocated CPU memory (common.twin_peaks),
-and result.json gains ``live_at_peak`` and ``live_at_setup`` (what is live at the highest step peak / set-up peak)."""
+Per step, rank 0's wall time (device-synchronised), peak ``max_memory_allocated`` (in the step, before it -- at step 1
+the set-up -- and per phase), the unrounded losses ``training_step`` returned (mean over ranks) and every rank's
+peak; save_model is skipped. Environment: ``LF_BENCH_LIGER_LOSS_ONLY=1`` (CPU smoke: Liger's fused loss only, its
+other kernels do not run interpreted); ``LF_BENCH_TWIN=s`` (the CPU memory twin,
+bench/common.py: CPU allocation peaks, ``live_at_peak`` / ``live_at_setup``)."""
 
 import json
 import os
@@ -129,29 +114,6 @@ def _liger_loss_only():
         setattr(lt, name, functools.partial(fn, rope=False, rms_norm=False, swiglu=False))
 
 
-def _compute_dtype():
-    """Runs without the plugin under the plugin's ZeRO-3 dtype policy: every trainable parameter cast to the compute
-    dtype (the frozen weights') right after LLaMA-Factory's load_model, as DeepSpeed does itself under ZeRO-0/1/2 --
-    the unfused baselines of the same setup (as shipped, LLaMA-Factory's bf16 ZeRO-3 run with trained copies stops in
-    DeepSpeed's defragment assertion: LoRA weights fp32, modules_to_save copies bf16)."""
-    import importlib
-
-    from llamafactory_liger_fsdp import precision
-
-    for name in ("llamafactory.train.sft.workflow", "llamafactory.train.dpo.workflow", "llamafactory.train.kto.workflow"):
-        module = importlib.import_module(name)
-        original = module.load_model
-
-        def load_model(*args, _original=original, **kwargs):
-            model = _original(*args, **kwargs)
-            cast, _undo = precision.to_compute_dtype(model)
-            print(f"[lf_bench] compute dtype: {cast or 'nothing to cast (trainable dtypes not mixed, or not 16-bit)'}",
-                  flush=True)
-            return model
-
-        module.load_model = load_model
-
-
 def main():
     yaml_path, out = sys.argv[1], sys.argv[2]
     sys.argv = [sys.argv[0], yaml_path]
@@ -188,8 +150,6 @@ def main():
     accelerate.Accelerator.backward = timed_backward
     if os.environ.get("LF_BENCH_LIGER_LOSS_ONLY") == "1":
         _liger_loss_only()
-    if os.environ.get("LF_BENCH_COMPUTE_DTYPE") == "1":
-        _compute_dtype()
     from llamafactory.train.tuner import run_exp
 
     callback = BenchCallback(out, micro)

@@ -1,21 +1,11 @@
 """The CPU memory twin of a GPU's LLaMA-Factory runs (bench/common.py, "the CPU memory twin"): the peak a GPU run
-would reach, by phase, and what it is made of -- on this machine's CPU, no GPU.
+would reach, by phase, and what it is made of, on this machine's CPU. Rows to ``--out`` (peaks: CPU bytes x s^2).
 
     python bench/memory_twin.py [--scale 8] [--layers 2] [--cutoff 16384] [--steps 3] [--stage sft|dpo]
                                 [--variants plain,liger_fsdp,liger_fsdp_fast] [--out bench/results/cpu_twin.json]
 
-Each run is bench/common.py's ``run`` (the seed's adapter, packing, bf16, gradient checkpointing, FSDP2 at world size
-1) on the twin of the Llama-3-8B shape at ``--layers`` layers: hidden, intermediate, vocabulary, heads, tokens
-(``--cutoff / s``) and LoRA rank divided by ``s``, random weights; FSDP2 on one CPU rank through the package's CPU
-shim (accelerate alone would train DDP on a CPU), the Triton kernels interpreted. ``liger_fsdp_auto`` runs ``triton_fast``
-(what ``auto`` picks on CUDA); Liger's own kernels do not run under the interpreter, so its variants are not
-offered. ``--stage dpo``: pairs of ``--cutoff`` tokens a side, sigmoid, the reference = the adapter disabled (as
-bench/depth.py dpo).
-
-Rows (``twin``: s, ``card``: "cpu") carry the GPU rows' keys as predictions -- ``peak_gib`` and the phase peaks are
-CPU bytes times s^2, ``peak_gib`` the steps' highest -- ``setup_peak_gib`` (before step 1: model load, wrapping,
-optimizer creation), and ``live_at_peak`` / ``live_at_setup`` (the largest allocations live at the steps' peak / the
-set-up's, GiB each after scaling).
+The twin of the Llama-3-8B shape through bench/common.py's ``run``, FSDP2 on one CPU rank (the package's CPU shim),
+Triton interpreted; Liger's own kernels do not run under the interpreter. Method and checks: bench/RESULTS.md 12.
 """
 
 from __future__ import annotations

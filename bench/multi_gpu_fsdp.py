@@ -1,30 +1,12 @@
 """The seed's scenario on several GPUs: LLaMA-Factory SFT, LoRA ``lora_target: all`` +
-``additional_target: embed_tokens,lm_head``, sharded over ``--nproc`` ranks.
+``additional_target: embed_tokens,lm_head``, sharded over ``--nproc`` ranks (bench/common.py's ``run``). Parts:
+``repro`` -- Liger's fused loss under FSDP1 (``use_orig_params`` true and false) without the plugin: the original
+failure, then the same with ``liger_fsdp: true``, which trains; ``curves`` -- plain loss vs the plugin's, per step,
+under FSDP1 and FSDP2; ``heads`` -- the Llama-3-8B and Qwen2.5-7B shapes (real heads) at 16k tokens a GPU.
+Rows are merged into ``--out`` (a run replaces its own earlier row). Findings: bench/RESULTS.md section 4.
 
-Parts (``--parts``, comma separated; every run is a real torchrun launch of LLaMA-Factory's
-``run_exp`` through ``bench/lf_bench_launch.py``):
-
-* ``repro``  -- without the plugin, ``enable_liger_kernel: true`` (Liger's fused loss), FSDP1
-  ``use_orig_params`` true and false: the original failure (the row records the error line); then
-  the same with ``liger_fsdp: true`` added, which trains.
-* ``curves`` -- the same model, ``--curve-steps`` steps (default 20) of ``--curve-tokens`` tokens
-  per GPU, plain loss vs ``liger_fsdp: true``, under FSDP1 and FSDP2: max rel diff of the per-step
-  losses (the unrounded values ``Trainer.training_step`` returns, mean over ranks; fp32 on the CPU,
-  already bf16 under FSDP2 + bf16 on GPUs, so compare those in bf16 ulps), tokens/s, peak memory per GPU.
-* ``heads``  -- Llama-3-8B- and Qwen2.5-7B-shaped models (real heads, ``--layers`` decoder layers,
-  random weights) at 16k tokens per GPU, plain vs ``liger_fsdp``, FSDP2 and FSDP1.
-
-On GPUs (NCCL; NVLink multicast is switched off as the device README asks)::
-
-    python bench/multi_gpu_fsdp.py --nproc 2 --parts repro,curves      # rows to bench/results/{card}x2_fsdp.json
-    python bench/multi_gpu_fsdp.py --nproc 2 --parts heads             # appends
-
-On the CPU (2 gloo ranks, the tiny local model, the package's ``testing/cpu_fsdp_shim``; what CI runs to keep
-the script working, and the CPU reproduction of the crash)::
-
-    python bench/multi_gpu_fsdp.py --cpu-smoke --parts repro,curves --out /tmp/smoke.json
-
-Rows are appended to ``--out`` (same part/model/variant/fsdp rows are replaced) and a table is printed.
+    python bench/multi_gpu_fsdp.py --nproc 2 --parts repro,curves,heads   # rows to bench/results/{card}x2_fsdp.json
+    python bench/multi_gpu_fsdp.py --cpu-smoke --parts repro,curves --out /tmp/smoke.json  # 2 gloo ranks, tiny model
 """
 
 from __future__ import annotations
@@ -33,7 +15,7 @@ import argparse
 import json
 import os
 
-from common import MODELS, ROOT, build, card, card_key, run, shim, tiny_assets
+from common import MODELS, ROOT, build, card, card_key, dump_json, load_rows, run, shim, tiny_assets
 
 # Qwen2.5-7B's shape (untied head, vocab 152064) is the "Qwen2.5-shaped model" of the seed report
 REPRO_MODEL = "qwen2.5-7b"
@@ -124,16 +106,8 @@ def main():
                 if not plain["rc"] and not ours["rc"]:
                     ours["max_rel_diff_vs_plain"] = max_rel(ours["step_losses"], plain["step_losses"])
 
-    old = []
-    if os.path.exists(args.out):
-        with open(args.out) as f:
-            old = json.load(f)
-    key = lambda r: (r.get("part"), r.get("model"), r.get("label"), r.get("fsdp_version"), r.get("nproc"))
-    new_keys = {key(r) for r in rows}
-    merged = [r for r in old if key(r) not in new_keys] + rows
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(merged, f, indent=1)
+    key = lambda r: (r.get("part"), r.get("model"), r.get("label"), r.get("fsdp_version"), r.get("nproc"))  # noqa: E731
+    dump_json(args.out, [r for r in load_rows(args.out) if key(r) not in {key(r) for r in rows}] + rows)  # a bare list
 
     print(f"\n{'part':7s} {'model':12s} {'run':16s} {'fsdp':>4s} {'tok/s':>9s} {'peak GiB/GPU':>14s} {'fwd+bwd/opt':>12s}  note")
     for r in rows:

@@ -1,26 +1,14 @@
-"""Side-by-side LLaMA-Factory runs on one GPU (world size 1): tokens/s, peak memory and per-step losses for each
-scenario and variant, one JSON row per run appended to ``--out``. The model is the 2-layer Llama-3-8B shape of
-bench/common.py's MODELS (real 128k head, random weights), LoRA r16, bf16; each run is bench/common.py's run (torchrun
-+ bench/lf_bench_launch.py): tokens/s = tokens a step / median step time after step 1.
-
-Scenarios (variants): fsdp2_sft, zero2_sft, zero3_sft (plain, liger, plugin, plugin+liger) -- LoRA `all` +
-embed_tokens,lm_head, 16k packed tokens a step, FSDP2 / DeepSpeed ZeRO-2 / ZeRO-3 as shipped; zero3_sft_bf16 (plain,
-liger, plugin) -- ZeRO-3 with every trainable parameter in the compute dtype (LF_BENCH_COMPUTE_DTYPE=1; the plugin
-applies that policy itself), liger also with stage3_param_persistence_threshold 1e11; zero3_lora_head (plain, plugin)
--- LoRA on the head, no additional_target; {dpo,kto,orpo,simpo}_{2k,8k} (plain, plugin) -- FSDP2, LoRA as the
-reference, one pair (KTO: one example + its KL completion) a step whose answers fill cutoff_len 2048 / 8192.
-Variants: plain, liger (enable_liger_kernel), plugin (liger_fsdp: true), plugin+liger (both).
+"""Side-by-side LLaMA-Factory runs on one GPU (world size 1): tokens/s, peak memory and per-step losses per scenario and
+variant, one JSON row per run appended to ``--out``. The 2-layer Llama-3-8B shape (real 128k head), LoRA r16, bf16;
+each run bench/common.py's ``run``. Scenarios: ``SCENARIOS`` below (FSDP2 / ZeRO-2 / ZeRO-3 SFT at 16k packed tokens,
+DPO/KTO/ORPO/SimPO at 2k and 8k); variants plain, liger, plugin, plugin+liger. Findings: bench/RESULTS.md section 9.
 
     python bench/speed.py [--scenarios fsdp2_sft,dpo_8k:1] [--variants plain,plugin] [--runs 2] [--steps 5]
                           [--out bench/results/{card}_speed.json] [--deadline 540] [--smoke]
     python bench/speed.py --table [--plot] [--out bench/results/h200_speed.json]   # medians and ratios, charts
 
-``name:k`` gives one scenario k runs instead of --runs, ``name:k:a/b`` also its variants. Run r plays the variants in order on even r and reversed on odd r; run numbers continue those already in --out for
-the scenario. --deadline S: no run starts that would end (by the longest run so far) more than S s after the start.
---smoke: CPU plumbing check (tiny local model, fp32, no FSDP/DeepSpeed, 3 steps, a temp JSON). ``{card}`` in --out is the
-card's short name (h200, h100, ...); rows carry ``card``. ``--table`` / ``--plot``: per card and scenario, the median
-tokens/s and peak of each variant and its ratio to plain (and Liger), and two charts beside --out
-(<card>_speed_tokens.png, <card>_speed_memory.png); rows marked ``superseded`` are left out.
+``name:k`` gives one scenario k runs, ``name:k:a/b`` also its variants; run r plays the variants in order on even r,
+reversed on odd r. ``--smoke``: CPU plumbing check (tiny model, fp32, no FSDP/DeepSpeed, a temp JSON).
 """
 
 from __future__ import annotations
@@ -31,14 +19,12 @@ import statistics
 import tempfile
 import time
 
-from common import (MODELS, ROOT, build, card, card_key, ds_json, dump_json, load_rows, log_line, now, run,
-                    tiny_assets, versions)
+from common import (MODELS, ROOT, SMOKE_CFG, SMOKE_ENV, build, card, card_key, ds_json, dump_json, load_rows, now,
+                    run, tiny_assets, versions)
 
 SPEC = MODELS["llama3-8b"]
-KEYS = {"plain": "plain", "liger": "liger", "plugin": "liger_fsdp_auto", "plugin+liger": "liger+liger_fsdp",
-        "plugin@persist": "liger_fsdp_auto"}  # the plugin under Liger's ZeRO-3 workaround (nothing partitioned)
-ALL4 = ("plain", "liger", "plugin", "plugin+liger")
-DTYPE_ENV = {"LF_BENCH_COMPUTE_DTYPE": "1"}
+KEYS = {"plain": "plain", "liger": "liger", "plugin": "liger_fsdp_auto", "plugin+liger": "liger+liger_fsdp"}
+ALL4 = tuple(KEYS)
 HEAD_LORA = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
 # asset set -> (cutoff_len, answer words, rows) on the H200 / in --smoke; ~1.45 tokens a word with the tiny tokenizer
 ASSETS = {"sft": (16384, (300, 500), 400), "2k": (2048, (1500, 1600), 32), "8k": (8192, (6500, 7000), 32)}
@@ -48,10 +34,6 @@ SCENARIOS = {
     "fsdp2_sft": dict(assets="sft", variants=ALL4, ds=None, setup=f"FSDP2, {SFT_SETUP}"),
     "zero2_sft": dict(assets="sft", variants=ALL4, ds=2, setup=f"ZeRO-2, {SFT_SETUP}"),
     "zero3_sft": dict(assets="sft", variants=ALL4, ds=3, setup=f"ZeRO-3 as shipped, {SFT_SETUP}"),
-    "zero3_sft_bf16": dict(assets="sft", variants=("plain", "liger", "plugin", "plugin@persist"), ds=3,
-                           persistence={"liger": 1e11, "plugin@persist": 1e11},
-                           env={"plain": DTYPE_ENV, "liger": DTYPE_ENV},
-                           setup=f"ZeRO-3, trainable params in the compute dtype, {SFT_SETUP}"),
     "zero3_lora_head": dict(assets="sft", variants=("plain", "plugin"), ds=3,
                             cfg=dict(lora_target=HEAD_LORA, additional_target=None),
                             setup="ZeRO-3, LoRA r16 on the 7 projections + lm_head (no additional_target), 16k packed"),
@@ -88,15 +70,12 @@ def run_args(work, name, variant, mdir, smoke):
     stage = cfg.get("stage", "sft")
     # tokenize once per asset set / stage / dataset / cutoff (LLaMA-Factory saves it there, later runs load it)
     cfg["tokenized_path"] = os.path.join(mdir, f"tokenized_{stage}_{cfg['dataset']}_{cutoff}")
-    env, persistence = dict(sc.get("env", {}).get(variant, {})), sc.get("persistence", {}).get(variant)
-    notes = {"setup": sc["setup"], "env": env}
+    env, notes = {}, {"setup": sc["setup"]}
     if sc["ds"] and not smoke:
-        cfg.update(fsdp=None, fsdp_config=None, deepspeed=ds_json(work, sc["ds"], persistence))
-        notes["ds_persistence"] = persistence or "auto"
-    if smoke:  # one CPU process: no FSDP / DeepSpeed, fp32; Liger's loss only, interpreted
-        cfg.update(fsdp=None, fsdp_config=None, bf16=None, use_cpu=True, preprocessing_num_workers=None)
-        env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", LF_BENCH_LIGER_LOSS_ONLY="1",
-                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        cfg.update(fsdp=None, fsdp_config=None, deepspeed=ds_json(work, sc["ds"]))
+    if smoke:
+        cfg.update(SMOKE_CFG)
+        env.update(SMOKE_ENV)
     return cutoff, cfg, env, notes
 
 
@@ -118,7 +97,7 @@ def main():
                       if not r.get("superseded")], args.out if args.plot else None)
     t0, smoke = time.monotonic(), args.smoke
     names = (args.scenarios or ("fsdp2_sft,dpo_2k" if smoke else ",".join(SCENARIOS))).split(",")
-    # "dpo_2k:1": that scenario's number of runs; "zero3_sft_bf16:1:plugin@persist/plain": and its variants
+    # "dpo_2k:1": that scenario's number of runs; "zero3_sft:1:plugin/plain": and its variants
     parts = {n.split(":")[0]: n.split(":")[1:] for n in names}
     runs = {n: int(p[0]) if p and p[0] else args.runs for n, p in parts.items()}
     only = {n: set(p[1].split("/")) for n, p in parts.items() if len(p) > 1}
@@ -157,14 +136,8 @@ def main():
                 if args.deadline and str(row.get("error", "")).startswith("timeout"):  # the budget's, not a result
                     skipped.append(f"{name}:{variant}:r{r}(stopped at the deadline)")
                     continue
-                log = open(row["log"]).read() if os.path.exists(row["log"]) else ""
-                if "log_tail" in row:  # keep the worker's traceback, not torchrun's own
-                    row["log_tail"] = row["log_tail"].split("torch/distributed/elastic/multiprocessing/api.py")[0][-1500:]
                 row.update(scenario=name, variant=variant, run=r, wall_s=round(walls[-1], 1), date=now(), session=session,
-                           card=gpu, versions=vers, smoke=smoke, steps=steps, cutoff_len=cutoff,
-                           cast=log_line(log, "[lf_bench] compute dtype") or log_line(log, "[liger_fsdp] DeepSpeed ZeRO-3: train"),
-                           liger_line=log_line(log, "Liger kernel has been applied"),
-                           trace_invalidated=log.count("Invalidate trace cache"), **notes)
+                           card=gpu, versions=vers, smoke=smoke, steps=steps, cutoff_len=cutoff, **notes)
                 done.append(row)
                 dump_json(out, load_rows(out) + [row])  # a bare list, as the file has always been
                 print(f"[speed] {name} {variant} r{r}: rc {row['rc']}, {row.get('tokens_per_s') or 0:.0f} tokens/s, "
@@ -176,7 +149,7 @@ def main():
     table([r for r in load_rows(out) if bool(r.get("smoke")) == smoke and not r.get("superseded")])
 
 
-ORDER = ("plain", "liger", "plugin", "plugin+liger", "plugin@persist")
+ORDER = ("plain", "liger", "plugin", "plugin+liger", "plugin@persist")  # plugin@persist: rows of a removed scenario
 COLORS = {"plain": "#7f7f7f", "liger": "#1f77b4", "plugin": "#d62728", "plugin+liger": "#ff7f0e", "plugin@persist": "#9467bd"}
 
 

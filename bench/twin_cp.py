@@ -1,43 +1,15 @@
 """The CPU memory twin of LLaMA-Factory v1 SFT under Ulysses sequence parallelism: each rank's peak on an H200 for the
-32-layer Llama-3-8B shape, v1's own loss (``plain``) against the plugin's, at cp_size 1/2/4/8.
+32-layer Llama-3-8B shape, v1's own loss (``plain``; ``plain-layers``: with each decoder layer a unit, where the
+installed v1 makes the whole model one) against the plugin's, at cp_size 1/2/4/8, one row set per LLaMA-Factory.
 
-    python bench/twin_cp.py [--scale 32] [--cps 1,2,4,8] [--tokens 131072,262144] [--depths 2,4] [--check-depth 8]
-                            [--check-tokens 131072] [--extra 1:32768] [--one-depth 262144] [--lock FILE]
-                            [--runs-out bench/results/cpu_twin_cp_runs.json] [--out bench/results/cpu_twin_cp.json]
-                            [--chart bench/results/cpu_twin_cp.png] [--table]
+    python bench/twin_cp.py [--scale 32] [--cps 1,2,4,8] [--tokens 131072,262144] [--depths 2,4] [--extra 1:32768]
+                            [--lock FILE] [--runs-out bench/results/cpu_twin_cp_runs.json]
+                            [--out bench/results/cpu_twin_cp.json] [--chart FILE.png] [--table]
 
-Method. Each twin run is ``bench/v1.py --twin S --cp N`` (one variant, one process tree, under ``--lock`` if given, so
-other work interleaves): v1 really trains on N CPU gloo ranks -- v1's Ulysses all-to-all, padding and split, its FSDP2
-over the N ranks, v1's ``sequence_parallel_loss`` (plain) or the plugin's fused CP loss -- with flash-attention 2 stood
-in by the CPU's scaled-dot-product flash kernel (blockwise: no T x T scores; its [heads, T] fp32 statistics and the
-backward's fp32 buffers are what it holds beyond a GPU's kernel). Every rank's allocations are profiled; a rank's peak
-times S^2 is its H200 prediction (bench/common.py, "the CPU memory twin"). Hidden, intermediate, vocabulary, tokens and
-LoRA rank are divided by S; the head counts stay (32 / 8, divisible by cp 8) and the head dimension is divided.
-Setup as bench/results/h200_v1.json's: LoRA r16 on every linear layer + ``modules_to_save: [lm_head]``, bf16, v1's
-activation checkpointing, 2 rows of tokens/2 a step (``micro_batch_size: 2``: LLaMA-Factory 0.9.5's v1 needs >= 2
-under CP), 2 steps (the guard's step 1 and a step with Adam's states).
-
-A 32-layer model at 128k tokens is too much for two shared cores, so depth is extrapolated: under activation
-checkpointing the peak is affine in depth -- each layer adds its weights and LoRA states (FSDP2 shards them over the cp
-ranks) and its checkpointed input (T/cp tokens a rank under Ulysses): plain's increment per layer is its one at cp 1
-divided by cp. A variant's excess over plain at cp 1 is not divided: it is v1's root FSDP2 unit's gathered copy of a
-layer's frozen weights (LLaMA-Factory 0.9.5's v1 finds no decoder-layer class in transformers 5's set-valued
-``_no_split_modules``, so the whole model is one unit; its copy lives from the root's pre-forward / pre-backward on,
-where the plugin's peaks are and plain's are not), full size on every rank. The twin runs ``--depths`` d1 < d2; an
-increment k is (P1(d2) - P1(d1)) / (d2 - d1) at cp 1 (P1: the step-1 peak; one rank, so no gloo timing in it); each
-rank's 32-layer peak is the mean, over d = d1 and d2, of its peak at d plus (32 - d) x (k_plain / cp + k_variant -
-k_plain) (``from_depths_gib``: the ranks' highest from each). On
-several gloo ranks a rank's peak moves by up to a few GiB with the ranks' timing (which rank waits in which collective
-while what is live): as a per-layer increment, x 30, that would swamp k; the increment measured at cp itself is kept in
-each row (``measured_per_layer_gib``) to show it. ``--one-depth T``: from T tokens on, cp > 1 runs d1 only (time).
-``--check-depth`` runs a third depth at cp 1 (``--check-tokens``) and reports the extrapolation's residual there
-(``depth_check``). ``--extra CP:TOKENS`` adds rows at other points (1:32768: v1 plain fits a 32-layer H200 at cp 1
-there, so a card can check the twin: ``bash bench/run_gpu.sh v1cp``).
-
-Rows (``{"rows": [...]}``, one per cp_size x tokens x variant): ``peak_gib_per_rank`` (the 32-layer H200 prediction),
-``fits`` (it within ``H200_GIB``), each rank's (``ranks_gib``), the per-layer increment; ``measured_peak_gib_per_rank``
-and ``card`` only where a card measured the same point. The raw twin runs go to ``--runs-out`` (kept: a rerun skips
-the runs it holds).
+Each twin run is ``bench/v1.py --twin S --cp N`` (under ``--lock``), kept in ``--runs-out`` (a rerun skips the runs it
+holds). A 32-layer model at 128k tokens is too much for two shared cores, so each rank's 32-layer peak is extrapolated
+from two depths: the per-layer increment is v1 plain's at cp 1 (same wrapping) divided by cp, plus the variant's
+excess over it at cp 1, whole. Method, checks and limits: bench/RESULTS.md section 14.
 """
 
 from __future__ import annotations

@@ -1,31 +1,16 @@
 """LLaMA-Factory's v1 engine (``USE_V1=1``) on one GPU: v1's own training against the plugin (kernel ``liger_fsdp``),
-tokens/s and peak memory, one JSON row per run appended to ``--out`` (keys as bench/results/h200_speed.json's).
-
-Model: the 2-layer Llama-3-8B shape of bench/common.py's MODELS (real 128k head, random weights, bf16 on disk), the
-seed's adapter (LoRA r16 on every linear layer + ``modules_to_save: [lm_head, embed_tokens]``; v1 alone stops on that
-under FSDP2 -- it shards the embedding copy twice -- so ``plain`` also runs ``modules_to_save: [lm_head]``, which v1
-trains: variant ``plain-head``), v1's FSDP2 at world size 1, v1's defaults otherwise (bf16, activation
-checkpointing, normal batching): one sample of ``--cutoff`` tokens a step (answers long enough to fill it). Each run is
-``torchrun bench/v1_launch.py``; tokens/s = the step's tokens / its time, median over the steps after the first.
+tokens/s and peak memory, one JSON row per run appended to ``--out`` (``{card}``: the card's short name).
 
     python bench/v1.py [--variants plain,plain-head,plugin,plugin-head(,plugin-head-lean)] [--runs 2] [--steps 5]
-                       [--cutoff 16384] [--layers 2] [--micro-batch 1] [--cp 1] [--out bench/results/{card}_v1.json]
-                       [--deadline 540] [--smoke | --twin S]
+                       [--cutoff 16384] [--layers 2] [--micro-batch 1] [--cp 1] [--layer-units]
+                       [--out bench/results/{card}_v1.json] [--deadline 540] [--smoke | --twin S]
 
-Run r plays the variants in order on even r and reversed on odd r. --deadline S: no run starts that would end (by the
-longest run so far) more than S s after the start. --smoke: CPU plumbing check (the tiny local model, fp32, cutoff 128,
-gloo, the package's CPU shim for v1's step-end synchronize on a CUDA build of torch; a temp JSON unless --out is given).
---twin S: the CPU memory twin of the H200 run (bench/common.py): hidden, intermediate, vocabulary, heads, tokens and
-LoRA rank divided by S, bf16 and checkpointing as on the GPU, the Triton kernels interpreted with the backend the GPU
-picks (``triton_fast``), gloo; each row's ``peak_gib`` is the CPU peak times S^2 (the H200 prediction), phases and the
-live allocations at the peak likewise; rows to bench/results/cpu_twin_v1.json; no tokens/s. ``{card}`` in --out is the
-card's short name (h200, h100, ...).
-
---layers L: the model's depth. --micro-batch M: M rows of --cutoff tokens a step. --cp N: v1's Ulysses sequence
-parallelism over N ranks (``cp_size: N``, ``cp_mode: ulysses`` as the installed v1 spells them, ``flash_attention_2``;
-on the CPU the test-only flash-attention and gloo stand-ins of llamafactory_liger_fsdp/testing/cpu_ulysses.py); under
---twin (or with --keep-heads) the head counts stay and the head dimension is divided (Ulysses splits heads). Each rank reports its own
-peak: ``peak_gib_per_rank`` (``step_peaks_gib_per_rank``: each step's), ``peak_gib`` their highest.
+The Llama-3-8B shape at ``--layers`` (real 128k head, random weights), LoRA r16 on every linear layer +
+``modules_to_save`` (the seed's ``[lm_head, embed_tokens]``; ``-head``: ``[lm_head]``, which v1 alone trains under
+FSDP2), v1's FSDP2, bf16 and activation checkpointing, ``--micro-batch`` rows of ``--cutoff`` tokens a step; each run
+``torchrun bench/v1_launch.py``. ``--cp N``: Ulysses over N ranks (on the CPU, testing/cpu_ulysses.py's stand-ins).
+``--smoke``: CPU plumbing check (tiny model, fp32, gloo). ``--twin S``: the CPU memory twin (bench/common.py; rows to
+cpu_twin_v1.json, peaks are CPU bytes x S^2). Rows: bench/RESULTS.md sections 11, 12 and 14.
 """
 
 from __future__ import annotations
@@ -33,15 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 
 from common import (LAYER_UNITS_ENV, MODELS, ROOT, TWIN_ENV, append_row, build, card, card_key, commit,
                     error_line, filling_words, log_line, now, shim, tiny_assets, twin_groups, twin_lines, twin_spec,
-                    versions)
+                    torchrun, versions)
 
 
 HEAD_ONLY = ["lm_head"]
@@ -112,35 +95,28 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
     for stale in [result] + [f"{result}.rank{r}" for r in range(1, args.cp)]:
         if os.path.exists(stale):
             os.remove(stale)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if args.smoke or args.twin:
         shims = [shim("cpu_ulysses_shim")] if args.cp > 1 else []
         env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(shims + [shim("cpu_v1_shim"),
-                                                                                env.get("PYTHONPATH", "")]))
+                                                                                os.environ.get("PYTHONPATH", "")]))
     if args.layer_units:
         env[LAYER_UNITS_ENV] = "1"
     if args.twin:
         env.update({TWIN_ENV: str(args.twin), "TRITON_INTERPRET": "1",
                     "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.cp))})
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
     t0 = time.time()
-    proc = subprocess.run(["torchrun", "--nproc_per_node", str(args.cp), "--master_port", port,
-                           os.path.join(ROOT, "bench", "v1_launch.py"), "sft", path, result],
-                          capture_output=True, text=True, env=env, timeout=args.timeout)
-    log = proc.stdout + proc.stderr
-    with open(out + ".log", "w") as f:
-        f.write(log)
+    rc, log, _ = torchrun(args.cp, [os.path.join(ROOT, "bench", "v1_launch.py"), "sft", path, result], env,
+                          args.timeout, out + ".log")
     row = {"model": os.path.basename(os.path.dirname(model)), "variant": variant, "scenario": "v1_fsdp2_sft",
            "engine": "v1", "modules_to_save": mts, "cutoff_len": args.cutoff, "steps": args.steps,
            "layers": args.layers, "micro_batch_size": args.micro_batch, "cp_size": args.cp,
-           "rc": proc.returncode, "wall_s": round(time.time() - t0, 1), "engaged": log_line(log, "[liger_fsdp] engaged"),
+           "rc": rc, "wall_s": round(time.time() - t0, 1), "engaged": log_line(log, "[liger_fsdp] engaged"),
            "guard": log_line(log, "[liger_fsdp] guard"), "log": out + ".log",
            # v1's FSDP2 made each decoder layer a unit (it logs which), or the whole model one
            "layer_units": True if "Applying per-layer FSDP" in log else False if "Could not identify" in log else None,
            "layer_units_forced": args.layer_units}
-    if proc.returncode != 0 or not os.path.exists(result):
+    if rc != 0 or not os.path.exists(result):
         row.update(fits=False, error=error_line(log) or log[-400:])
         return row
     res = json.load(open(result))

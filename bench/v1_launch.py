@@ -1,20 +1,12 @@
-"""Launch one LLaMA-Factory v1 training (``sft`` or ``dpo``, as v1's ``run_sft`` / ``run_dpo`` do) with a timing and
+"""Launch one LLaMA-Factory v1 training (``sft`` or ``dpo``, as v1's ``run_sft`` / ``run_dpo``) with a timing and
 memory callback:
 
     torchrun --nproc_per_node N bench/v1_launch.py sft|dpo cfg.yaml result.json
 
-Per optimizer step, on every rank (rank 0 to ``result.json``, rank r > 0 to ``result.json.rank<r>``): wall time
-(device-synchronised), the peak of ``torch.cuda.max_memory_allocated()`` in
-the step (reset at each step's start; 0 on the CPU) and before it (``before_peak_mib``; at step 1: the set-up), the step loss v1 logs (unrounded) and the tokens the step's
-micro-batches hold (``attention_mask`` != 0, counted in ``compute_loss``). v1's final ``save_model`` is skipped
-(benchmark only). The plugin is active the way it is for ``llamafactory-cli``: its ``.pth`` (or the activation
-directory on ``PYTHONPATH``) hooks v1's modules as they load.
-
-With ``LF_BENCH_TWIN=s`` in the environment (bench/common.py's CPU memory twin) the package's size constants are
-divided by s, the whole run is profiled for its CPU allocations, and each step's ``peak_mib`` is the peak of allocated
-CPU memory in it, with its phases and the live allocations at the run's peak (``live_at_peak``; common.twin_peaks).
-With ``LF_BENCH_LAYER_UNITS=1`` v1's FSDP2 layer finder answers as git main's (the plugin's
-``integration.v1.layers.patch_finder``): each decoder layer a unit where LLaMA-Factory 0.9.5 makes the whole model one.
+Every rank (rank r > 0 to ``result.json.rank<r>``), per step: wall time, peak ``max_memory_allocated`` in and before
+it, v1's step loss and the step's tokens; v1's save_model is skipped. ``LF_BENCH_TWIN=s``: the CPU memory twin
+(bench/common.py). ``LF_BENCH_LAYER_UNITS=1``: v1's FSDP2 layer finder answers as git main's (the plugin's
+``integration.v1.layers.patch_finder``): each decoder layer a unit where LLaMA-Factory 0.9.5 makes the model one.
 """
 
 import contextlib

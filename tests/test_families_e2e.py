@@ -3,63 +3,24 @@ processor built here: BPE tokenizer with the qwen2_vl template's special tokens 
 tiny local image dataset in LLaMA-Factory's multimodal sharegpt format (PNG files written here); nothing is
 downloaded. Flag on vs off: per-step losses equal (rel <= 1e-4), the guard passes, the engaged line names the class."""
 
-import json
-import random
-
 import pytest
 
 from support.cli import run_cli
 
 pytestmark = pytest.mark.slow
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-           "<|video_pad|>"]
-WORDS = "the image shows a red blue green square circle cat dog on left right top bottom what color shape is".split()
-
-
-def _rows(n=16, seed=0):
-    rng = random.Random(seed)
-    say = lambda k: " ".join(rng.choice(WORDS) for _ in range(k))  # noqa: E731
-    return [{"messages": [{"role": "user", "content": f"<image>{say(rng.randint(3, 8))}?"},
-                          {"role": "assistant", "content": say(rng.randint(4, 12)) + "."}],
-             "images": [f"images/{i % 4}.png"]} for i in range(n)]
-
 
 def build(root):
     import torch
-    from PIL import Image
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (AutoModelForImageTextToText, PreTrainedTokenizerFast, Qwen2VLImageProcessor,
-                              Qwen2VLProcessor, Qwen2VLVideoProcessor)
+    from transformers import AutoModelForImageTextToText
 
-    from llamafactory_liger_fsdp.testing import make_config
+    from llamafactory_liger_fsdp.testing import make_config, vlm_assets
 
-    data, model_dir = root / "data", root / "model"
-    (data / "images").mkdir(parents=True)
-    rows = _rows()
-    (data / "tiny_mm.json").write_text(json.dumps(rows))
-    (data / "dataset_info.json").write_text(json.dumps({"tiny_mm": {
-        "file_name": "tiny_mm.json", "formatting": "sharegpt", "columns": {"messages": "messages", "images": "images"},
-        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}}))
-    for i, color in enumerate([(255, 0, 0), (0, 255, 0), (0, 0, 255), (200, 200, 0)]):
-        Image.new("RGB", (56, 56), color).save(data / "images" / f"{i}.png")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.train_from_iterator([m["content"] for r in rows for m in r["messages"]] * 4 + ["You are a helpful assistant."],
-                            trainers.BpeTrainer(vocab_size=360, special_tokens=SPECIAL,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=SPECIAL[1:])
-    Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112),
-                     video_processor=Qwen2VLVideoProcessor(), tokenizer=fast,
-                     chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}").save_pretrained(model_dir)
-    config = make_config("qwen2_vl")
-    ids = {t: fast.convert_tokens_to_ids(t) for t in SPECIAL}
-    config.image_token_id, config.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
-    config.vision_start_token_id, config.vision_end_token_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
-    config.text_config.eos_token_id, config.text_config.pad_token_id = ids["<|im_end|>"], ids["<|endoftext|>"]
+    rows = vlm_assets.rows(16, (4, 12))
+    vlm_assets.write_data(str(root / "data"), rows, 56)
+    wire = vlm_assets.save_processor(str(root / "model"), rows, 56 * 56, 112 * 112)
     torch.manual_seed(0)
-    AutoModelForImageTextToText.from_config(config).save_pretrained(model_dir)
+    AutoModelForImageTextToText.from_config(wire(make_config("qwen2_vl"))).save_pretrained(root / "model")
     return root
 
 
