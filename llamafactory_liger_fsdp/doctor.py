@@ -55,10 +55,12 @@ def _raw(argv: list[str]) -> dict | None:
         return None
 
 
-USAGE = """usage: python -m llamafactory_liger_fsdp doctor [<yaml|json> [key=value ...]] [--accelerate-config <file>]
+USAGE = """usage: python -m llamafactory_liger_fsdp doctor [sft|dpo|rm] [<yaml|json> [key=value ...]]
+                                          [--accelerate-config <file>]
 
 Prints the installed versions and whether the import hook is active; with a yaml (or json), what the plugin decides
-for it, evaluated with the same code as training (a v1 yaml, `model:`, with the v1 engine's rules). key=value
+for it, evaluated with the same code as training (a v1 yaml, `model:`, with the v1 engine's rules; the v1 command
+before it, as `llamafactory-cli <command> <yaml>` takes it, checks that command: `dpo` where v1 has no DPO). key=value
 overrides are read as `llamafactory-cli train` reads them. --accelerate-config: the config of an `accelerate launch`
 of the yaml, read for the sharding. Exit status 1 when training would stop (a refusal, a rejected yaml)."""
 
@@ -90,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     argv, accelerate = _accelerate_config(argv)
+    from .integration.v1 import doctor as doctor_v1
+
+    command = argv.pop(0) if len(argv) > 1 and argv[0] in doctor_v1.COMMANDS else None  # v1: `doctor dpo <yaml>`
     os.environ.setdefault("LLAMAFACTORY_VERBOSITY", "WARN")
     print("llamafactory-liger-fsdp doctor")
     for name, version in versions().items():
@@ -106,10 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     from . import _bootstrap
 
     _bootstrap.install()  # evaluate the yaml as the hook would, even where it is not active
-    from .integration.v1 import doctor as doctor_v1
-
-    if doctor_v1.is_v1(_raw(argv)):
-        ok, lines = doctor_v1.check_yaml(argv[0], argv[1:])
+    if command is not None or doctor_v1.is_v1(_raw(argv)):
+        ok, lines = doctor_v1.check_yaml(argv[0], argv[1:], command)
     else:
         ok, lines = check_yaml(argv[0], argv[1:], accelerate)
     print(f"\n{argv[0]}:")

@@ -410,3 +410,50 @@ def test_default_engine_yaml_under_use_v1_is_told_so(base):
         v1_args.top_level_keys(dict(base, liger_fsdp=True))
     names_key_and_fix(str(err.value), "liger_fsdp`", "unset USE_V1")
     assert "default engine" in str(err.value) and "go inside" not in str(err.value)
+
+
+# ------------------------------------------------------------------------------- v1 CP yamls that stop every rank
+def _cp_yamls() -> list:
+    """(id, yaml overrides, v1 command, the key the refusal names): each yaml stops every rank of the installed
+    LLaMA-Factory with or without the plugin."""
+    from llamafactory_liger_fsdp.integration.v1 import cp_args
+
+    other = ({"dist_config": {"name": "fsdp2"}, "cp_size": 2, "cp_mode": "ulysses"} if cp_args.spelling() ==
+             cp_args.DIST else {"dist_config": {"name": "fsdp2", "cp_size": 2, "cp_mode": "ulysses"}})
+    flash = {"flash_attn": "flash_attention_2"}
+    return [("the other spelling", {**other, **flash}, "sft", "cp_size: 2`"),
+            ("no flash_attention_2", cp_args.as_yaml(2), "sft", "`flash_attn: sdpa`"),
+            ("dpo without a v1 DPO", {**cp_args.as_yaml(2), **flash}, "dpo", "`llamafactory-cli dpo`")]
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_cp_yamls_that_stop_every_rank_refused_before_any_rank(assets, tmp_path, monkeypatch, capsys, case):
+    """The launcher's pre-check, every rank (get_args: the spelling before v1's parser, the rest after it) and doctor
+    say the same message naming the key and the fix; doctor exits 1."""
+    pytest.importorskip("llamafactory.v1")
+    from llamafactory_liger_fsdp.integration.v1 import cp_args
+    from llamafactory_liger_fsdp.integration.v1 import engine as v1
+
+    name, overrides, command, key = _cp_yamls()[case]
+    if command == "dpo":
+        monkeypatch.setattr(cp_args, "has_v1_dpo", lambda: False)  # as 0.9.5 (git main has one)
+    raw = yaml.safe_load(open(_v1_recipe()))
+    raw.update(model=str(assets / "model"), **overrides)
+    path = tmp_path / "cp.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(LigerFsdpConfigError) as launcher:
+        v1.precheck(command, [str(path)])
+    text = str(launcher.value)
+    assert key in text and "Fix:" in text, text
+    if case == 0:  # a rank: before v1's parser (which would stop on, or ignore, the key)
+        with pytest.raises(LigerFsdpConfigError) as rank:
+            v1.before_parse(dict(raw))
+    else:  # a rank: the parsed arguments as the yaml's keys
+        with pytest.raises(LigerFsdpConfigError) as rank:
+            v1_args.check(command, raw, v1_args.config_of(raw["kernel_config"]))
+    assert str(rank.value) == text
+    monkeypatch.setenv("LLAMAFACTORY_VERBOSITY", "WARN")
+    capsys.readouterr()
+    assert doctor.main(["doctor", *([command] if command == "dpo" else []), str(path)]) == 1, name
+    out = capsys.readouterr().out
+    assert f"error: {text}" in out and "will engage" not in out, out

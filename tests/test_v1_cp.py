@@ -159,28 +159,39 @@ def test_guard_stops_a_one_percent_error_in_the_cp_loss(assets, tmp_path):
 BASE = {"kernel_config": {"name": "liger_fsdp"}, "micro_batch_size": 2}
 
 
-@pytest.mark.parametrize("values", [
-    {"dist_config": {"name": "fsdp2", "cp_size": 2, "cp_mode": "ulysses"}},  # 0.9.5
-    {"dist_config": {"name": "fsdp2"}, "cp_size": 4, "cp_mode": "ulysses"},  # git main
-])
-def test_ulysses_sft_under_fsdp2_is_taken(values):
-    v1_args.check("sft", {**BASE, **values})
+FLASH = {"flash_attn": "flash_attention_2"}
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ulysses_sft_under_fsdp2_is_taken(size):
+    v1_args.check("sft", {**BASE, **cp_keys(size), **FLASH})
+
+
+def _spelled(values: dict) -> dict:
+    """``values`` written as 0.9.5 writes them (``dist_config.cp_*``) moved to the installed v1's spelling."""
+    from llamafactory_liger_fsdp.integration.v1 import cp_args
+
+    if cp_args.spelling() == cp_args.DIST:
+        return values
+    dist = dict(values["dist_config"])
+    return {**values, "dist_config": {"name": dist.pop("name", None)}, **dist}
 
 
 @pytest.mark.parametrize("command, values, expected", [
-    ("sft", {"dist_config": {"name": "fsdp2", "cp_size": 2, "cp_mode": "ring"}}, "`dist_config.cp_mode: ring`"),
-    ("sft", {"dist_config": {"name": "fsdp2"}, "cp_size": 2, "cp_mode": "ring"}, "`cp_mode: ring`"),
-    ("sft", {"dist_config": {"name": "deepspeed", "cp_size": 2}}, "`dist_config.name: deepspeed`"),
-    ("sft", {"cp_size": 2}, "`cp_size: 2` with `dist_config.name: None`"),
+    ("sft", {"dist_config": {"name": "fsdp2", "cp_size": 2, "cp_mode": "ring"}, **FLASH}, "cp_mode: ring`"),
+    ("sft", {"dist_config": {"name": "deepspeed", "cp_size": 2}, **FLASH}, "`dist_config.name: deepspeed`"),
+    ("sft", {"dist_config": {"cp_size": 2}, **FLASH}, "cp_size: 2` with `dist_config.name: None`"),
+    ("sft", {"dist_config": {"name": "fsdp2", "cp_size": 2}}, "cp_size: 2` with `flash_attn: sdpa`"),
 ])
 def test_cp_out_of_reach_refused(command, values, expected):
     with pytest.raises(LigerFsdpConfigError) as err:
-        v1_args.check(command, {**BASE, **values})
+        v1_args.check(command, {**BASE, **_spelled(values)})
     assert expected in str(err.value) and "Fix:" in str(err.value), str(err.value)
 
 
 def test_micro_batch_1_refused_where_v1_numbers_positions_from_1(monkeypatch):
-    values = {**BASE, "micro_batch_size": 1, "dist_config": {"name": "fsdp2", "cp_size": 2}}
+    values = {**BASE, "micro_batch_size": 1, "dist_config": {"name": "fsdp2", "cp_size": 2}, **FLASH}
+    monkeypatch.setattr(v1_cp_args, "spelling", lambda: v1_cp_args.DIST)  # as 0.9.5 reads them
     real = v1_cp_args.versions.installed
     monkeypatch.setattr(v1_cp_args.versions, "installed",
                         lambda name: "0.9.5" if name == "llamafactory" else real(name))
@@ -201,9 +212,7 @@ def test_doctor_names_the_sequence_parallel_loss(assets, monkeypatch, capsys):
     monkeypatch.setenv("LLAMAFACTORY_VERBOSITY", "WARN")
     recipe = str(ROOT / "recipes" / "tiny_cpu" / "v1_sft.yaml")
     keys = [f"{k}={v}" for k, v in cp_keys(2).items() if k != "dist_config"] or ["dist_config.cp_size=2"]
-    assert doctor.main(["doctor", recipe, f"model={assets / 'model'}", *keys]) == 0
-    out = capsys.readouterr().out
-    assert "sequence parallelism: Ulysses, cp_size 2: v1's sequence_parallel_loss from the fused kernel" in out, out
-    assert "needs `flash_attn: flash_attention_2`" in out
     assert doctor.main(["doctor", recipe, f"model={assets / 'model'}", *keys, "flash_attn=flash_attention_2"]) == 0
-    assert "needs `flash_attn" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "sequence parallelism: Ulysses, cp_size 2 (`" in out and "v1's sequence_parallel_loss from the fused " \
+        "kernel" in out, out

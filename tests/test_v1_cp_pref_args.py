@@ -9,9 +9,8 @@ from llamafactory_liger_fsdp.config import LigerFsdpConfigError
 from llamafactory_liger_fsdp.integration.v1 import args as v1_args
 from llamafactory_liger_fsdp.integration.v1 import cp_args as v1_cp_args
 
-BASE = {"kernel_config": {"name": "liger_fsdp"}, "micro_batch_size": 2}
-CP = [{"dist_config": {"name": "fsdp2", "cp_size": 2, "cp_mode": "ulysses"}},  # 0.9.5
-      {"dist_config": {"name": "fsdp2"}, "cp_size": 2, "cp_mode": "ulysses"}]  # git main
+BASE = {"kernel_config": {"name": "liger_fsdp"}, "micro_batch_size": 2, "flash_attn": "flash_attention_2"}
+CP = [v1_cp_args.as_yaml(2)]  # as the installed v1 spells it (the other spelling is refused: test_cp_yamls_*)
 
 
 @pytest.mark.parametrize("values", CP)
@@ -25,21 +24,23 @@ def test_rm_at_cp_1_stays_refused(command, values):
     with pytest.raises(LigerFsdpConfigError) as err:
         v1_args.check(command, {**BASE, **values})
     msg = str(err.value)
-    assert "one-logit score head, so there is nothing to fuse" in msg and "Fix: or remove `liger_fsdp` from " \
+    assert "one-logit score head, so there is nothing to fuse" in msg and "Fix: remove `liger_fsdp` from " \
         "`kernel_config.name` for reward modelling (with `cp_size` > 1 the plugin gathers the scores" in msg, msg
 
 
 @pytest.mark.parametrize("values", CP)
-def test_dpo_under_cp_is_taken(values):
+def test_dpo_under_cp_is_taken(values, monkeypatch):
+    monkeypatch.setattr(v1_cp_args, "has_v1_dpo", lambda: True)  # git main (0.9.5 has none: test_cp_yamls_*)
     v1_args.check("dpo", {**BASE, **values})
 
 
 @pytest.mark.parametrize("values, expected", [
-    ({"dist_config": {"name": "deepspeed", "cp_size": 2}}, "`dist_config.name: deepspeed`"),
-    ({"dist_config": {"name": "fsdp2", "cp_size": 2, "cp_mode": "ring"}}, "`dist_config.cp_mode: ring`"),
+    (v1_cp_args.as_yaml(2, dist_name="deepspeed"), "`dist_config.name: deepspeed`"),
+    (v1_cp_args.as_yaml(2, "ring"), "cp_mode: ring`"),
 ])
 @pytest.mark.parametrize("command", ["rm", "dpo"])
-def test_pairs_under_cp_keep_the_cp_refusals(values, expected, command):
+def test_pairs_under_cp_keep_the_cp_refusals(values, expected, command, monkeypatch):
+    monkeypatch.setattr(v1_cp_args, "has_v1_dpo", lambda: True)
     with pytest.raises(LigerFsdpConfigError) as err:
         v1_args.check(command, {**BASE, **values})
     assert expected in str(err.value) and "Fix:" in str(err.value), str(err.value)
@@ -50,17 +51,21 @@ def test_rm_not_held_to_the_micro_batch_1_refusal(monkeypatch):
     real = v1_cp_args.versions.installed
     monkeypatch.setattr(v1_cp_args.versions, "installed",
                         lambda name: "0.9.5" if name == "llamafactory" else real(name))
-    values = {**BASE, "micro_batch_size": 1, **CP[0]}
+    monkeypatch.setattr(v1_cp_args, "spelling", lambda: v1_cp_args.DIST)  # as 0.9.5 reads them
+    values = {**BASE, "micro_batch_size": 1, "dist_config": {"name": "fsdp2", "cp_size": 2}}
     with pytest.raises(LigerFsdpConfigError, match=r"`micro_batch_size: 1` with `dist_config.cp_size: 2`"):
         v1_args.check("sft", values)
     v1_args.check("rm", values)
 
 
-def test_doctor_line_names_rm_and_dpo():
-    line = v1_cp_args.doctor_line({**BASE, **CP[1], "flash_attn": "flash_attention_2"}, 2)
+def test_doctor_line_names_rm_and_dpo(monkeypatch):
+    line = v1_cp_args.doctor_line({**BASE, **CP[0]})
     assert "`llamafactory-cli rm`: the score head's scores of each shard gathered across the CP group" in line, line
+    monkeypatch.setattr(v1_cp_args, "has_v1_dpo", lambda: True)
+    line = v1_cp_args.doctor_line({**BASE, **CP[0]})
     assert "`llamafactory-cli dpo`: the policy's and the reference's per-token log-probs" in line, line
-    assert "needs `flash_attn" not in line
+    monkeypatch.setattr(v1_cp_args, "has_v1_dpo", lambda: False)
+    assert "`llamafactory-cli dpo`: not in the installed LLaMA-Factory" in v1_cp_args.doctor_line({**BASE, **CP[0]})
 
 
 def test_rm_guard_too_long_to_check_stops_only_with_untested_versions(monkeypatch, capsys):

@@ -4,7 +4,8 @@ A v1 run picks the plugin as a kernel: ``kernel_config: {name: liger_fsdp}`` (gi
 list, e.g. ``liger_kernel,liger_fsdp``). v1's parser rejects unknown top-level keys, so the plugin's keys live inside
 ``kernel_config`` (``liger_fsdp_backend``, ``liger_fsdp_guard``, ``liger_fsdp_memory_report``; dotlist overrides
 ``kernel_config.liger_fsdp_guard=false``). :func:`config_of` validates them, :func:`decide_sharding` reads v1's
-``dist_config`` and :func:`check` refuses what cannot be exact. The launching process reads the raw yaml
+``dist_config`` and :func:`check` refuses what cannot be exact (the sequence-parallel settings: :mod:`.cp_args`, their
+one reader). The launching process reads the raw yaml
 (:func:`read_raw`), every rank the parsed arguments (:func:`values_of`): one set of rules. Imports no torch.
 """
 
@@ -18,10 +19,8 @@ from typing import Any, Mapping
 from ... import config, sharding, versions
 from ...args import read_args
 from ...config import LigerFsdpConfigError
-
-NAME = "liger_fsdp"
-KEY = "kernel_config"
-FIX_REMOVE = f"or remove `{NAME}` from `{KEY}.name`"
+from . import cp_args
+from .cp_args import KEY, NAME, REMOVE  # noqa: F401  (REMOVE: the fix that trains without the plugin)
 
 
 def read_raw(argv: list[str]) -> dict | None:
@@ -128,22 +127,13 @@ def without_v1(raw: Any) -> None:
 
 
 def values_of(model_args: Any, training_args: Any) -> dict:
-    """The parsed arguments as the raw yaml's keys (what :func:`check` and :func:`decide_sharding` read)."""
+    """The parsed arguments as the raw yaml's keys (what :func:`check` and :func:`decide_sharding` read); a field the
+    installed v1 does not have is None (0.9.5 has no top-level ``cp_size`` / ``cp_mode``)."""
+    flash = getattr(model_args, "flash_attn", None)
     return {KEY: getattr(model_args, KEY, None), "model_class": str(getattr(model_args, "model_class", "llm") or "llm"),
-            "dist_config": getattr(training_args, "dist_config", None), "cp_size": getattr(training_args, "cp_size", 1),
-            "cp_mode": getattr(training_args, "cp_mode", None),  # git main; 0.9.5 keeps both in dist_config
+            "dist_config": getattr(training_args, "dist_config", None), "cp_size": getattr(training_args, "cp_size", None),
+            "cp_mode": getattr(training_args, "cp_mode", None), "flash_attn": None if flash is None else str(flash),
             "micro_batch_size": getattr(training_args, "micro_batch_size", None)}
-
-
-def cp_size(values: Mapping) -> int:
-    """Ulysses context-parallel size: git main's top-level ``cp_size``, 0.9.5's ``dist_config.cp_size``."""
-    for value in (values.get("cp_size"), plugin_config(values.get("dist_config")).get("cp_size")):
-        try:
-            if value is not None and int(value) > 1:
-                return int(value)
-        except (TypeError, ValueError):
-            continue
-    return 1
 
 
 def decide_sharding(values: Mapping, env: Mapping[str, str]) -> sharding.Sharding:
@@ -163,29 +153,26 @@ def decide_sharding(values: Mapping, env: Mapping[str, str]) -> sharding.Shardin
     return sharding.Sharding(sharding.NONE, source="one process")
 
 
-def check(command: str | None, values: Mapping, cfg: config.LigerFsdpConfig | None = None) -> None:
-    """What the plugin refuses on v1, from the arguments and the installed versions (the launching process and every
-    rank); with ``cfg`` also what this machine cannot run (:func:`.refusals.machine_problem`, as on the default
-    engine)."""
-    versions.refuse_too_old(f"`{KEY}.name: {NAME}`", FIX_REMOVE)
-    size = cp_size(values)
+def check(command: str | None, values: Mapping, cfg: config.LigerFsdpConfig | None = None,
+          machine: bool = True) -> None:
+    """What the plugin refuses on v1, from the arguments and the installed versions (the launching process, every
+    rank and ``doctor``); with ``cfg`` the plugin's keys too and, with ``machine``, what this machine cannot run
+    (:func:`.refusals.machine_problem`, as on the default engine; ``doctor`` reports it apart)."""
+    versions.refuse_too_old(f"`{KEY}.name: {NAME}`", f"or {REMOVE}")
+    cp_args.check(command, values, cfg)  # the sequence-parallel settings (and v1 DPO where there is none)
+    size = cp_args.size(values)
     if (command == "rm" or values.get("model_class") == "cls") and size <= 1:  # under CP: the CP part (cp_rm)
         raise LigerFsdpConfigError(
             f"`{KEY}.name: {NAME}` computes log-probs over the vocabulary through lm_head; v1's reward-model trainer "
             f"(`rm`, model_class cls) replaces lm_head by a one-logit score head, so there is nothing to fuse. Fix: "
-            f"{FIX_REMOVE} for reward modelling (with `cp_size` > 1 the plugin gathers the scores across the CP "
-            f"group).")
-    if size > 1:  # v1 sequence parallelism: what the plugin makes exact (v1_cp_args)
-        from . import cp_args as v1_cp_args
-
-        v1_cp_args.check(command, values, size)
+            f"{REMOVE} for reward modelling (with `cp_size` > 1 the plugin gathers the scores across the CP group).")
     dist = plugin_config(values.get("dist_config")).get("name")
     if dist not in (None, "fsdp2", "deepspeed"):
         raise LigerFsdpConfigError(
             f"`dist_config.name: {dist}` with `{KEY}.name: {NAME}`: the plugin knows v1's fsdp2 and deepspeed "
             f"engines (and DDP without dist_config), not `{dist}`'s sharding of the head. Fix: `dist_config: "
-            f"{{name: fsdp2}}`, {FIX_REMOVE}.")
-    if cfg is not None:
+            f"{{name: fsdp2}}`, or {REMOVE}.")
+    if cfg is not None and machine:
         from ...refusals import machine_problem
 
         problem = machine_problem(cfg)

@@ -46,12 +46,27 @@ def head_of(raw: dict) -> str:
     return "head=frozen (lm_head; v1's loss still reads its logits, so the log-probs come from the fused kernel)"
 
 
-def check_yaml(path: str, overrides: list[str]) -> tuple[bool, list[str]]:
-    """(would train, report lines)."""
+#: v1's training commands, as ``doctor [command] <yaml>`` takes them (``llamafactory-cli <command> <yaml>``).
+COMMANDS = ("train", "sft", "dpo", "rm")
+
+
+def command_of(raw: dict, given: str | None) -> str | None:
+    """The v1 command a yaml is for: the one given, else ``dpo`` where it sets a preference key (``pref_*``), ``rm``
+    for ``model_class: cls``; None where the yaml does not say (every command's line is printed)."""
+    if given:
+        return given
+    if any(isinstance(k, str) and k.startswith("pref_") for k in raw):
+        return "dpo"
+    return "rm" if raw.get("model_class") == "cls" else None
+
+
+def check_yaml(path: str, overrides: list[str], command: str | None = None) -> tuple[bool, list[str]]:
+    """(would train, report lines) for ``llamafactory-cli <command> <yaml>`` (``command`` None: as the yaml says)."""
     from ... import families
     from .engine import check_kernel_config, model_config_of
 
     raw = v1_args.read_raw([path, *overrides]) or {}
+    command = command_of(raw, command)
     lines = [registry_line()]
     if not env_enabled("USE_V1"):
         lines.append("a v1 yaml (`model:`): train it with USE_V1=1 llamafactory-cli train <yaml> (without USE_V1 the "
@@ -63,13 +78,15 @@ def check_yaml(path: str, overrides: list[str]) -> tuple[bool, list[str]]:
             why = (v1_args.disabled_cause() if v1_args.NAME in v1_args.names(raw.get(v1_args.KEY)) else
                    f"`{v1_args.KEY}.name` does not list `{v1_args.NAME}`")
             return True, lines + [f"plugin off ({why}): the run trains without it."]
-        v1_args.check(None, raw)
+        v1_args.check(command, raw, cfg, machine=False)
         decided = v1_args.decide_sharding(raw, os.environ)
         lines.append(f"liger_fsdp: on (backend {cfg.backend}); v1 trainers' log-probs from the fused kernel; "
-                     f"first-step exactness guard {'on' if cfg.guard else 'off'}.")
+                     f"first-step exactness guard {'on' if cfg.guard else 'off'}"
+                     + (f"; checked for `llamafactory-cli {command}`." if command else "."))
         lines.append(f"sharding: {decided.label} (from {decided.source}).")
-        if v1_args.cp_size(raw) > 1:  # v1 sequence parallelism (v1_cp_args)
-            lines.append(v1_cp_args.doctor_line(raw, v1_args.cp_size(raw)))
+        cp_line = v1_cp_args.doctor_line(raw)  # v1 sequence parallelism
+        if cp_line:
+            lines.append(cp_line)
         model_config = model_config_of(raw)
         if isinstance(model_config, Exception):
             lines.append(f"could not read the model's config here ({type(model_config).__name__}); its family is "

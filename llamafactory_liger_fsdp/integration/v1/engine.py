@@ -102,6 +102,18 @@ def patch_v1_launcher(launcher_module: Any) -> None:
     _patch.apply(launcher_module, "launch", make, "v1: refuse what the yaml alone decides before any rank starts")
 
 
+def before_parse(args: Any) -> None:
+    """What v1's parser would stop on before the plugin sees the parsed arguments: CP keys in the spelling the
+    installed v1 does not read (0.9.5: a top-level ``cp_size`` is an unknown key) -- refused with the launcher's text."""
+    try:
+        raw = args if isinstance(args, dict) else v1_args.read_raw(sys.argv[1:]) if args is None else None
+    except Exception:  # not readable here: v1's parser says why
+        return
+    if isinstance(raw, dict) and v1_args.NAME in v1_args.names(raw.get(v1_args.KEY)):
+        if v1_args.config_of(raw.get(v1_args.KEY)).enabled:
+            v1_args.cp_args.check_spelling(raw)
+
+
 def patch_v1_parser(parser_module: Any) -> None:
     _patch.require_params(parser_module.get_args, ("args",), "v1 get_args")
 
@@ -109,6 +121,8 @@ def patch_v1_parser(parser_module: Any) -> None:
         def get_args(args=None):
             _log.new_run()
             _RUN["config"] = None
+            with _log.one_message_per_run():
+                before_parse(args)
             result = original(args)
             model_args, training_args = result[0], result[2]
             with _log.one_message_per_run():
@@ -191,7 +205,7 @@ def engage_v1(model: Any, kernel_config: Any = None):
     if causal_lm.get_output_embeddings() is None:
         raise LigerFsdpConfigError(
             f"`{v1_args.KEY}.name: {v1_args.NAME}`: {type(causal_lm).__name__} has no output embedding (lm_head), so "
-            f"there are no vocabulary log-probs to fuse. Fix: {v1_args.FIX_REMOVE}.")
+            f"there are no vocabulary log-probs to fuse. Fix: {v1_args.REMOVE}.")
     done = engage.engage(model, cfg, any_head=True, request_only=True)
     if done is None:
         return model

@@ -61,7 +61,7 @@ def patch_compute_log_probs() -> list:
                 pass
             if not recorder.kwargs or "labels" not in recorder.kwargs:
                 raise _patch.PatchError("v1's compute_log_probs no longer calls model(**inputs) with labels; "
-                                        f"{v1_args.FIX_REMOVE} and report your LLaMA-Factory version")
+                                        f"Fix: {v1_args.REMOVE} and report your LLaMA-Factory version.")
             inputs = recorder.kwargs
             labels = inputs.pop("labels")
             logps, _, _ = forward.token_logps(model, engage.causal_lm_of(inner), inputs, labels, sums=False,
