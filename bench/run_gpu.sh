@@ -5,7 +5,8 @@
 #   DEPTH_ARGS="sft --cutoffs 32768 --search" bash bench/run_gpu.sh depth   # bench/depth.py (sft, dpo or vlm)
 #   SPEED_ARGS="--scenarios fsdp2_sft --runs 2" bash bench/run_gpu.sh speed # bench/speed.py
 #   V1_ARGS="--runs 2" bash bench/run_gpu.sh v1                              # bench/v1.py
-#   bash bench/run_gpu.sh v1cp   # bench/v1.py at 32 layers, cp_size 1 (V1CP_ARGS): the card's check of bench/twin_cp.py
+#   bash bench/run_gpu.sh v1cp   # bench/v1.py at 32 layers, cp_size 1: the card's check of bench/twin_cp.py; V1CP_ARGS:
+#                                # ';'-separated argument sets, one bench/v1.py call each (after V1CP_BASE)
 #   bash bench/run_gpu.sh multi                           # bench/multi_gpu_fsdp.py on every GPU of the machine
 # LIMIT (seconds, default 570) bounds the whole command, the installs included: each script gets the rest as its
 # --deadline. Wheels that the image lacks travel in .whl/ (bash bench/make_wheels.sh builds them: LLaMA-Factory's stack,
@@ -45,16 +46,19 @@ case "${1:-}" in
   depth|speed|v1|v1cp)
     install_stack  # the plugin's wheel is built from a commit (.whl/PLUGIN_COMMIT, recorded on the depth rows)
     keep_rows "$1"
-    work=/tmp/real_size script=$1
+    work=/tmp/real_size script=$1 base=""
     case "$1" in
-      depth) args=${DEPTH_ARGS:-sft} ;;
-      speed) args=${SPEED_ARGS:-} ;;
-      v1) args=${V1_ARGS:-} work=/tmp/v1_bench ;;
-      v1cp) script=v1 work=/tmp/v1_bench
-        args=${V1CP_ARGS:-"--layers 32 --cutoff 16384 --micro-batch 2 --variants plain-head,plugin-head --runs 1 --steps 3"} ;;
+      depth) sets=${DEPTH_ARGS:-sft} ;;
+      speed) sets=${SPEED_ARGS:-} ;;
+      v1) sets=${V1_ARGS:-} work=/tmp/v1_bench ;;
+      v1cp) script=v1 work=/tmp/v1_bench base=${V1CP_BASE:-"--layers 32 --micro-batch 2 --runs 1 --steps 3"}
+        sets=${V1CP_ARGS:-"--cutoff 16384 --variants plain-head,plugin-head"} ;;
     esac
-    timeout $((LIMIT - SECONDS)) python3 "bench/$script.py" $args --out "$OUT/{card}_$1.json" --work $work \
-      --deadline $((LIMIT - 15 - SECONDS)) 2>&1 | tee "$OUT/$1.log"
+    IFS=';' read -ra sets <<< "$sets"
+    for args in "${sets[@]:-}"; do  # one call of the script per set, each with the time that is left
+      timeout $((LIMIT - SECONDS)) python3 "bench/$script.py" $base $args --out "$OUT/{card}_$1.json" --work $work \
+        --deadline $((LIMIT - 15 - SECONDS)) 2>&1 | tee -a "$OUT/$1.log"
+    done
     failed_logs $work
     ;;
   multi)

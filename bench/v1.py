@@ -2,7 +2,7 @@
 tokens/s and peak memory, one JSON row per run appended to ``--out`` (``{card}``: the card's short name).
 
     python bench/v1.py [--variants plain,plain-head,plugin,plugin-head(,plugin-head-lean)] [--runs 2] [--steps 5]
-                       [--cutoff 16384] [--layers 2] [--micro-batch 1] [--cp 1] [--layer-units]
+                       [--cutoff 16384] [--layers 2] [--micro-batch 1] [--cp 1] [--layer-units] [--offload]
                        [--out bench/results/{card}_v1.json] [--deadline 540] [--smoke | --twin S]
 
 The Llama-3-8B shape at ``--layers`` (real 128k head, random weights), LoRA r16 on every linear layer +
@@ -48,7 +48,10 @@ def assets(work: str, smoke: bool, cutoff: int, twin: int = 0, layers: int = 2, 
         mdir = build(work, f"llama3-8b-{layers}l-{cutoff}-twin{twin}{'-heads' if keep_heads else ''}",
                      twin_spec(MODELS["llama3-8b"], twin, keep_heads), layers, rows=24,
                      answer_words=(words, words + 50), max_position=max(32768, 2 * cutoff), seed=0, device="cpu")
-    else:  # answers that fill a sample
+    else:  # answers that fill a sample; one built for a longer cutoff serves (truncated), so no second build
+        held = [c for c in (2 * cutoff, 4 * cutoff, 8 * cutoff)
+                if os.path.exists(os.path.join(work, f"llama3-8b-{layers}l-{c}", "model", "config.json"))]
+        cutoff = held[0] if held else cutoff
         words = filling_words(cutoff)
         mdir = build(work, f"llama3-8b-{layers}l-{cutoff}", MODELS["llama3-8b"], layers, rows=24,
                      answer_words=(words, words + 500), max_position=max(32768, 2 * cutoff))
@@ -83,6 +86,8 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
                             "modules_to_save": mts})
     if args.cp > 1:
         cfg.update(cp_keys(args.cp), flash_attn="flash_attention_2")
+    if args.offload:  # FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer states on the host
+        cfg["dist_config"] = dict(cfg["dist_config"], offload_params=True)
     if kernel:
         cfg["kernel_config"] = dict(kernel)
         if args.twin:  # the backend the GPU's auto picks
@@ -115,7 +120,7 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
            "guard": log_line(log, "[liger_fsdp] guard"), "log": out + ".log",
            # v1's FSDP2 made each decoder layer a unit (it logs which), or the whole model one
            "layer_units": True if "Applying per-layer FSDP" in log else False if "Could not identify" in log else None,
-           "layer_units_forced": args.layer_units}
+           "layer_units_forced": args.layer_units, "offload_params": args.offload}
     if rc != 0 or not os.path.exists(result):
         row.update(fits=False, error=error_line(log) or log[-400:])
         return row
@@ -161,6 +166,7 @@ def main() -> None:
     ap.add_argument("--cp", type=int, default=1, help="Ulysses cp_size (that many ranks)")
     ap.add_argument("--layer-units", action="store_true", help="v1's FSDP2 wraps each decoder layer as git main does "
                     "(LLaMA-Factory 0.9.5 makes a PeftModel one unit; with the plugin engaged it does this itself)")
+    ap.add_argument("--offload", action="store_true", help="v1 FSDP2's dist_config.offload_params: true")
     ap.add_argument("--keep-heads", action="store_true", help="--twin: keep the head counts, divide the head "
                     "dimension (always so with --cp > 1)")
     args = ap.parse_args()
