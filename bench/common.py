@@ -333,6 +333,37 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
     return row
 
 
+def peak_mib(reset: bool = False) -> float:
+    """``torch.cuda.max_memory_allocated`` in MiB after a device sync (0 on the CPU); ``reset``: then reset it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0.0
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**20
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
+class StepClock:
+    """A launcher's training step: ``begin()`` keeps the peak since the last step (``before``; at step 1 the set-up),
+    resets it and opens the ``## step`` mark (the twin's window); ``end()`` closes it: (seconds, the step's peak)."""
+
+    def begin(self) -> None:
+        from torch.autograd.profiler import record_function
+
+        self.before = peak_mib(reset=True)
+        self.mark = record_function("## step")
+        self.mark.__enter__()
+        self.t0 = time.perf_counter()
+
+    def end(self) -> tuple:
+        peak = peak_mib()
+        self.mark.__exit__(None, None, None)
+        return time.perf_counter() - self.t0, peak
+
+
 # ---------------------------------------------------------------------------------------------- the CPU memory twin
 # A GPU run's allocated memory is a sum of products of two of (tokens, hidden, intermediate, vocab, LoRA rank) -- weights,
 # their gradients and Adam states, activations, logits -- so a run with each of them divided by s allocates 1/s^2 of

@@ -11,27 +11,12 @@ bench/common.py: CPU allocation peaks, ``live_at_peak`` / ``live_at_setup``)."""
 import json
 import os
 import sys
-import time
 
 import torch
 from torch.autograd.profiler import record_function
 from transformers import TrainerCallback
 
-from common import TWIN_ENV, AllocationTimeline, twin_setup, twin_peaks
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _peak_mib(reset=False):
-    if not torch.cuda.is_available():
-        return 0.0
-    peak = torch.cuda.max_memory_allocated() / 2**20
-    if reset:
-        torch.cuda.reset_peak_memory_stats()
-    return peak
+from common import TWIN_ENV, AllocationTimeline, StepClock, peak_mib, twin_peaks, twin_setup
 
 
 PHASES: dict = {}  # forward / backward peaks of the current step (see main)
@@ -40,7 +25,7 @@ FORWARD: list = []  # the open "## forward" mark of the current micro-batch
 
 class BenchCallback(TrainerCallback):
     def __init__(self, out, micro_losses):
-        self.out, self.steps, self.losses, self.t0 = out, [], [], None
+        self.out, self.steps, self.losses, self.clock = out, [], [], StepClock()
         self.micro_losses = micro_losses  # filled by the training_step wrapper
         self.step_losses = []
         self.run_peak = 0.0
@@ -48,33 +33,27 @@ class BenchCallback(TrainerCallback):
         self.twin_prof = None  # LF_BENCH_TWIN: the run's allocation profile
 
     def on_step_begin(self, args, state, control, **kw):
-        _sync()
-        before = _peak_mib(reset=True)  # since the last step's optimizer step; at step 1: the set-up
-        self.run_peak = max(self.run_peak, before)
-        self.phase = {"before_peak_mib": before}
+        self.clock.begin()  # the peak since the last step's optimizer step; at step 1: the set-up
+        self.run_peak = max(self.run_peak, self.clock.before)
+        self.phase = {"before_peak_mib": self.clock.before}
         PHASES.clear()
-        self.mark = record_function("## step")  # the twin's step window
-        self.mark.__enter__()
-        self.t0 = time.perf_counter()
         self.micro_losses.clear()
 
     # peak memory by phase: forward+backward (all micro-batches), then the optimizer step
     def on_pre_optimizer_step(self, args, state, control, **kw):
-        rest = _peak_mib(reset=True)  # since the last backward: gradient clipping
+        rest = peak_mib(reset=True)  # since the last backward: gradient clipping
         self.phase.update(PHASES)
         PHASES.clear()
         self.phase["fwd_bwd_peak_mib"] = max(rest, self.phase.get("forward_peak_mib", 0.0), self.phase.get("backward_peak_mib", 0.0))
         self.run_peak = max(self.run_peak, self.phase["fwd_bwd_peak_mib"])
 
     def on_optimizer_step(self, args, state, control, **kw):
-        self.phase["optimizer_peak_mib"] = _peak_mib(reset=True)
+        self.phase["optimizer_peak_mib"] = peak_mib(reset=True)
         self.run_peak = max(self.run_peak, self.phase["optimizer_peak_mib"])
 
     def on_step_end(self, args, state, control, **kw):
-        _sync()
-        self.mark.__exit__(None, None, None)
-        elapsed = time.perf_counter() - self.t0
-        self.run_peak = max(self.run_peak, _peak_mib())
+        elapsed, peak = self.clock.end()
+        self.run_peak = max(self.run_peak, peak)
         self.steps.append({"s": elapsed, "peak_mib": self.run_peak, **self.phase,
                            "tokens_seen": int(getattr(state, "num_input_tokens_seen", 0) or 0)})
         self.step_losses.append(sum(self.micro_losses))
@@ -142,9 +121,9 @@ def main():
     def timed_backward(self, loss, **kwargs):
         while FORWARD:
             FORWARD.pop().__exit__(None, None, None)
-        PHASES["forward_peak_mib"] = max(PHASES.get("forward_peak_mib", 0.0), _peak_mib(reset=True))
+        PHASES["forward_peak_mib"] = max(PHASES.get("forward_peak_mib", 0.0), peak_mib(reset=True))
         out = backward(self, loss, **kwargs)
-        PHASES["backward_peak_mib"] = max(PHASES.get("backward_peak_mib", 0.0), _peak_mib(reset=True))
+        PHASES["backward_peak_mib"] = max(PHASES.get("backward_peak_mib", 0.0), peak_mib(reset=True))
         return out
 
     accelerate.Accelerator.backward = timed_backward

@@ -4,7 +4,7 @@ installed v1 makes the whole model one) against the plugin's, at cp_size 1/2/4/8
 
     python bench/twin_cp.py [--scale 32] [--cps 1,2,4,8] [--tokens 131072,262144] [--depths 2,4] [--extra 1:32768]
                             [--lock FILE] [--runs-out bench/results/cpu_twin_cp_runs.json]
-                            [--out bench/results/cpu_twin_cp.json] [--chart FILE.png] [--table]
+                            [--out bench/results/cpu_twin_cp.json] [--table]
 
 Each twin run is ``bench/v1.py --twin S --cp N`` (under ``--lock``), kept in ``--runs-out`` (a rerun skips the runs it
 holds). A 32-layer model at 128k tokens is too much for two shared cores, so each rank's 32-layer peak is extrapolated
@@ -121,41 +121,6 @@ def predict(args, cp: int, tokens: int, variant: str, d1: int, d2: int) -> dict 
     return row
 
 
-def chart(rows: list, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = {"plain": "v1 plain", "plain-layers": "v1 plain, each layer a unit", "plugin": "plugin"}
-    colors = {"plain": "tab:gray", "plain-layers": "silver", "plugin": "tab:blue"}
-    variants = [v for v in names if any(r["variant"] == v for r in rows)]
-    token_sets = sorted({r["tokens"] for r in rows})
-    fig, axes = plt.subplots(1, len(token_sets), figsize=(5 * len(token_sets), 3.8), sharey=True, squeeze=False)
-    top = min(max(r["peak_gib_per_rank"] for r in rows) * 1.1, 3 * H200_GIB)
-    width = 0.8 / len(variants)
-    for ax, tokens in zip(axes[0], token_sets):
-        picked = [r for r in rows if r["tokens"] == tokens]
-        cps = sorted({r["cp_size"] for r in picked})
-        for i, variant in enumerate(variants):
-            got = {r["cp_size"]: r["peak_gib_per_rank"] for r in picked if r["variant"] == variant}
-            xs = [j + (i - (len(variants) - 1) / 2) * width for j, cp in enumerate(cps) if cp in got]
-            peaks = [got[cp] for cp in cps if cp in got]
-            ax.bar(xs, peaks, width, color=colors[variant], label=names[variant])
-            for x, p in zip(xs, peaks):  # a bar past the axis carries its value at the top
-                ax.text(x, min(p, top * 0.95) + 2, f"{p:.0f}", ha="center", fontsize=7)
-        ax.axhline(H200_GIB, color="tab:red", lw=1, ls="--", label=f"H200 ({H200_GIB:.0f} GiB)")
-        ax.set_xticks(range(len(cps)), [f"cp {cp}" for cp in cps])
-        ax.set_title(f"{tokens // 1024}k tokens a step")
-        ax.set_ylim(0, top)
-    axes[0][0].set_ylabel("predicted peak GiB per rank (H200)")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"Llama-3-8B, 32 layers, v1 SFT under Ulysses, LLaMA-Factory {rows[0]['llamafactory']}: "
-                 "CPU memory twin", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", type=int, default=32)
@@ -180,7 +145,6 @@ def main() -> None:
     ap.add_argument("--cards", default=",".join(os.path.join(ROOT, "bench", "results", f"{c}_v1cp.json")
                                                 for c in ("h200", "h100")),
                     help="card rows of bench/v1.py (32 layers) to set beside the predictions (comma-separated)")
-    ap.add_argument("--chart", default=None, help="a PNG of this LLaMA-Factory's rows")
     ap.add_argument("--table", action="store_true", help="print the table of --out; run nothing")
     args = ap.parse_args()
     if args.table:
@@ -209,8 +173,6 @@ def main() -> None:
     dump_json(args.out, {"rows": kept + rows, "meta": meta,
                          "depth_check": [c for c in old_checks if c.get("llamafactory") not in (None, LF)] + checks})
     print_table(rows, checks)
-    if args.chart:
-        chart([r for r in rows if "peak_gib_per_rank" in r and r["tokens"] in (131072, 262144)], args.chart)
     print(f"rows written to {args.out}")
 
 

@@ -15,13 +15,12 @@ import inspect
 import json
 import os
 import sys
-import time
 
 import torch
 import yaml
 from torch.autograd.profiler import record_function
 
-from common import LAYER_UNITS_ENV, TWIN_ENV, AllocationTimeline, twin_peaks, twin_setup
+from common import LAYER_UNITS_ENV, TWIN_ENV, AllocationTimeline, StepClock, twin_peaks, twin_setup
 
 
 def main() -> None:
@@ -46,27 +45,18 @@ def main() -> None:
                 return super().compute_loss(batch)
 
     class Timer(TrainerCallback):
+        clock = StepClock()
+
         def on_step_begin(self, args, state, **kwargs):
             if twin:  # the twin: what reference cycles still hold from the last step goes now, not at random
                 gc.collect()
-            self.before = 0.0  # the peak since the last step (at step 1: the set-up), in the step's row
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-                self.before = torch.cuda.max_memory_allocated() / 2**20
-                torch.cuda.reset_peak_memory_stats()
             tokens[0] = 0
-            self.mark = record_function("## step")
-            self.mark.__enter__()
-            self.t0 = time.perf_counter()
+            self.clock.begin()
 
         def on_step_end(self, args, state, **kwargs):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.mark.__exit__(None, None, None)
-            peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0.0
-            steps.append({"s": time.perf_counter() - self.t0, "peak_mib": peak, "before_peak_mib": self.before,
-                          "loss": float(state.loss),
-                          "tokens": tokens[0]})
+            seconds, peak = self.clock.end()
+            steps.append({"s": seconds, "peak_mib": peak, "before_peak_mib": self.clock.before,
+                          "loss": float(state.loss), "tokens": tokens[0]})
 
     twin = int(os.environ.get(TWIN_ENV, "0") or 0)
     if os.environ.get(LAYER_UNITS_ENV) == "1":  # v1 plain with each decoder layer a unit, as git main wraps it
