@@ -188,7 +188,8 @@ def main() -> None:
                 print(f"deadline: {variant} run {r} not started")
                 continue
             t0 = time.time()
-            row = dict(run(variant, model, data, args.work, args, f"{variant}_r{r}"), run=r, **meta)
+            tag = f"{variant}_{args.cutoff}{'_units' * args.layer_units}{'_offload' * args.offload}_r{r}"
+            row = dict(run(variant, model, data, args.work, args, tag), run=r, **meta)
             longest = max(longest, time.time() - t0)
             append_row(out, row)
             loss = row.get("step_losses", [None])[0]

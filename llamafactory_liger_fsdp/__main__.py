@@ -2,14 +2,16 @@
 
 ``train`` is ``llamafactory-cli train`` with the plugin active in the launcher and in every worker
 (``FORCE_TORCHRUN``/torchrun included), also where the ``.pth`` hook does not run. ``env`` prints the versions,
-device, kernel backend and import hook for a bug report (:mod:`.env_report`)."""
+device, kernel backend and import hook for a bug report (:mod:`.env_report`). ``fingerprints [--record]`` checks (records)
+this stack's upstream code against what CI saw (:mod:`.fingerprints`)."""
 
 import os
 import sys
 
 USAGE = "usage: python -m llamafactory_liger_fsdp doctor [sft.yaml [key=value ...]]\n" \
         "       python -m llamafactory_liger_fsdp train sft.yaml [key=value ...]\n" \
-        "       python -m llamafactory_liger_fsdp env"
+        "       python -m llamafactory_liger_fsdp env\n" \
+        "       python -m llamafactory_liger_fsdp fingerprints [--record [LABEL]]"
 
 
 def train(args: list[str]) -> int:
@@ -37,6 +39,10 @@ if __name__ == "__main__":
         from .env_report import main as env
 
         sys.exit(env())
+    if argv[:1] == ["fingerprints"]:
+        from .fingerprints import main as fingerprints
+
+        sys.exit(fingerprints(argv[1:]))
     if argv[:1] == ["train"] and len(argv) > 1:
         sys.exit(train(argv[1:]))
     print(USAGE)

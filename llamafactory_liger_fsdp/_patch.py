@@ -1,5 +1,6 @@
 """A tiny registry of the third-party attributes the plugin replaces, so each one is guarded,
-recorded, logged once and undone cleanly (:func:`undo_all`)."""
+recorded, logged once and undone cleanly (:func:`undo_all`); an original that is a fingerprinted upstream piece
+(:mod:`.fingerprints`) is marked used by its patch."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import fingerprints
 from ._log import info_rank0
 
 MARK = "__liger_fsdp_patch__"
@@ -66,6 +68,7 @@ def apply(owner: Any, name: str, make: Callable[[Any], Any], why: str) -> Patch 
     original = getattr(owner, name, None)
     if original is None:
         raise PatchError(f"{getattr(owner, '__name__', owner)}.{name} not found; this version is not supported")
+    fingerprints.patched(original)  # a registered upstream piece: judged by its fingerprint from now on
     if getattr(original, MARK, False):
         return None
     replacement = make(original)
@@ -89,6 +92,8 @@ def rebind(module: Any, name: str, old: Any, new: Any, why: str) -> None:
 def put(mapping: dict, key: str, value: Any, why: str, where: str) -> Patch:
     """Add ``mapping[key] = value`` (a third-party registry entry), recorded and undone like an attribute."""
     patch = Patch(mapping, key, mapping.get(key, _ABSENT), value, why, where)
+    if callable(patch.original):
+        fingerprints.patched(patch.original)
     mapping[key] = value
     _APPLIED.append(patch)
     if _LOGGED:

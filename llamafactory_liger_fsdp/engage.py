@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from . import families, gather, heads, thirdparty, wrapping
+from . import families, fingerprints, gather, heads, thirdparty, wrapping
 from ._log import info_rank0
 from .config import LigerFsdpConfig, LigerFsdpConfigError
 from .forward import ForwardState, make_forward
@@ -51,6 +51,9 @@ def check_model(causal_lm: nn.Module) -> families.Family:
             f"`liger_fsdp: true`: the model's loss_function is {getattr(loss_fn, '__name__', loss_fn)}, not "
             "transformers' ForCausalLMLoss, so the fused loss would not reproduce it. Fix: remove `liger_fsdp`."
         )
+    fingerprints.use(f"transformers:{family.cls}.forward")  # its quirks were read off it
+    if loss_fn is not None:
+        fingerprints.use("transformers.loss.loss_utils:ForCausalLMLoss")  # the kernel's arithmetic mirrors it
     return family
 
 

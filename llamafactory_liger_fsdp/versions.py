@@ -10,6 +10,9 @@ Three answers for each distribution the plugin patches or whose code it reproduc
   compares the fused loss with the model's own forward, stops the run with its message if a newer library changed
   what the loss sees (the family quirks were read off transformers 5.6).
 
+A version string does not say which code is installed (every commit of LLaMA-Factory's git main reports
+``0.9.6.dev0``): an upstream function the run uses whose code CI never saw is untested too (:mod:`.fingerprints`).
+
 ``pyproject.toml`` states no ranges for these: installing the plugin never changes a user's stack (an old version is
 refused at run time with the fix instead of being replaced by pip). docs/design.md, "Versions". Imports no torch.
 """
@@ -138,13 +141,19 @@ def broken(backend: str = "auto", found: dict[str, str | None] | None = None) ->
 
 
 def untested(found: dict[str, str | None] | None = None) -> list[str]:
-    """``"torch 2.16.0 (tested up to 2.15)"`` for every installed distribution newer than :data:`TESTED`."""
+    """``"torch 2.16.0 (tested up to 2.15)"`` for every installed distribution newer than :data:`TESTED`; for the
+    installed ones (``found`` None) also every upstream function this run uses whose code CI never saw, whatever its
+    version string (:func:`.fingerprints.unseen`)."""
     out = []
     for name, newest in TESTED.items():
         version = _found(found, name)
         parsed = _parse(version) if version else None
         if parsed is not None and _newer(parsed, newest):
             out.append(f"{name} {version} (tested up to {newest})")
+    if found is None:
+        from . import fingerprints
+
+        out += fingerprints.unseen()
     return out
 
 

@@ -177,7 +177,7 @@ def engage_model(model: Any, cfg: config.LigerFsdpConfig, finetuning_args: Any =
     wrap policy, label smoothing and the preference trainer of this stage. Every side effect is recorded on the
     engaged model and undone by :func:`..engage.disengage`; a patch of a class or module is held by every model that
     needs it (:func:`..engage.hold`) and undone when the last one disengages."""
-    from .. import engage
+    from .. import engage, fingerprints
     from . import accelerate, preference, trainer
 
     stage = getattr(finetuning_args, "stage", "sft")
@@ -203,4 +203,5 @@ def engage_model(model: Any, cfg: config.LigerFsdpConfig, finetuning_args: Any =
     if liger:
         info_rank0("[liger_fsdp] enable_liger_kernel: Liger's fused linear cross entropy is bypassed for this model "
                    "(the plugin computes the loss); Liger's other kernels stay.")
+    fingerprints.settle(cfg.guard)  # the upstream code this run depends on, against what CI saw
     return done

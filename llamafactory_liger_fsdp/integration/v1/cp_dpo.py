@@ -1,9 +1,8 @@
 """v1's DPO trainer (git main) under Ulysses sequence parallelism (``cp_size > 1``), patched by
 :func:`.engine.engage_v1` in a DPO run with an engaged policy, recorded on the model and undone with it:
 
-* ``DPOTrainer.__init__`` -- LLaMA-Factory refuses cp_size > 1 there; for an engaged model the method runs whole with
-  the refusal reading ``cp_size: 1`` (``args.cp_size`` is set back before ``BaseTrainer.__init__`` runs), and the
-  trainer is kept on the model for the CP seam.
+* ``DPOTrainer.__init__`` -- LLaMA-Factory refuses cp_size > 1 there; for an engaged model the method runs as
+  written without that one statement (:mod:`.cp_init`), and the trainer is kept on the model for the CP seam.
 * the CP seam (:mod:`.cp` dispatches here when the model has a DPO trainer) -- under CP v1's trainer calls the
   registered ``sequence_parallel_loss`` instead of ``compute_loss``, which would train the SFT loss. Answered by
   :func:`.dpo.compute_loss` with :func:`cp_logps` for the policy and the reference: the pair rows' inputs of
@@ -98,44 +97,25 @@ def loss(sp: Any, trainer: Any, batch: dict):
 
 
 def patch(size: int) -> list:
-    """Lift ``DPOTrainer.__init__``'s cp_size refusal for an engaged model (a DPO run under CP only)."""
+    """Lift ``DPOTrainer.__init__``'s cp_size refusal for an engaged model (a DPO run under CP only; :mod:`.cp_init`)."""
     module = sys.modules.get(V1_DPO)
     cls = getattr(module, "DPOTrainer", None)
     if cls is None or size <= 1:
         return []
-    from llamafactory.v1.core.base_trainer import BaseTrainer
-
     from ... import engage
+    from . import cp_init
     from .train import unwrapped
 
-    _patch.require_params(cls.__init__, ("self", "args", "model", "renderer", "train_dataset", "callbacks"),
-                          "DPOTrainer.__init__")
+    def taken(model: Any) -> bool:
+        return engage.engaged(unwrapped(model)) is not None
 
-    def make(original):
-        def __init__(self, args, model, renderer, train_dataset, callbacks=None):
-            if getattr(args, "cp_size", 1) <= 1 or engage.engaged(unwrapped(model)) is None:
-                return original(self, args, model, renderer, train_dataset, callbacks)
-            base_init = BaseTrainer.__dict__["__init__"]
+    def built(trainer: Any, model: Any) -> None:
+        engage.causal_lm_of(unwrapped(model)).__dict__[TRAINER] = weakref.ref(trainer)
+        info_rank0(f"[liger_fsdp] v1 DPO under sequence parallelism (Ulysses, cp_size {size}): LLaMA-Factory's "
+                   "DPOTrainer refuses cp_size > 1; with `liger_fsdp` each rank's per-token log-probs of its "
+                   f"1/{size} of every pair row from the fused kernel (labels shifted across shards), gathered "
+                   "across the CP group with autograd, then LLaMA-Factory's DPO loss on the sums (the reference "
+                   "likewise, without gradients).")
 
-            def init(this, a, *rest, **kw):  # BaseTrainer.__init__ sees the real cp_size (Ulysses set-up)
-                BaseTrainer.__init__ = base_init
-                a.cp_size = size
-                return base_init(this, a, *rest, **kw)
-
-            BaseTrainer.__init__, args.cp_size = init, 1
-            try:
-                original(self, args, model, renderer, train_dataset, callbacks)
-            finally:
-                BaseTrainer.__init__, args.cp_size = base_init, size
-            engage.causal_lm_of(unwrapped(model)).__dict__[TRAINER] = weakref.ref(self)
-            info_rank0(f"[liger_fsdp] v1 DPO under sequence parallelism (Ulysses, cp_size {size}): LLaMA-Factory's "
-                       "DPOTrainer refuses cp_size > 1; with `liger_fsdp` each rank's per-token log-probs of its "
-                       f"1/{size} of every pair row from the fused kernel (labels shifted across shards), gathered "
-                       "across the CP group with autograd, then LLaMA-Factory's DPO loss on the sums (the reference "
-                       "likewise, without gradients).")
-
-        return __init__
-
-    done = _patch.apply(cls, "__init__", make, "v1 DPO under CP: LLaMA-Factory's cp_size refusal lifted for an engaged "
-                                               "model")
-    return [] if done is None else [lambda: _patch.undo(cls, "__init__")]
+    return cp_init.patch(cls, taken, built, "v1 DPO under CP: DPOTrainer.__init__ without its cp_size refusal for an "
+                                            "engaged model")

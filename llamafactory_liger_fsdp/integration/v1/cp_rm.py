@@ -1,9 +1,8 @@
 """v1's reward-model trainer (``llamafactory-cli rm``) under Ulysses sequence parallelism (``cp_size > 1``), patched
 by :func:`.engine.engage_v1` for a score-head model in an RM run, recorded on the model and undone with it:
 
-* ``llamafactory.v1.trainers.rm_trainer.RMTrainer.__init__`` -- LLaMA-Factory refuses cp_size > 1 there (its only
-  other statement is ``super().__init__``, in 0.9.5 and git main); for a model taken here ``BaseTrainer.__init__``
-  runs instead.
+* ``llamafactory.v1.trainers.rm_trainer.RMTrainer.__init__`` -- LLaMA-Factory refuses cp_size > 1 there; for a
+  model taken here it runs as written without that one statement (:mod:`.cp_init`).
 * the registered ``sequence_parallel_loss`` (:func:`.ulysses.slot`) -- under CP v1's trainer calls it instead of
   ``compute_loss``, which would train the SFT loss. Answered by :func:`cp_loss`: ``RMTrainer.compute_loss``'s own
   model inputs (recorded from the method: token_type_ids as attention mask, positions restarting at the rejected
@@ -119,13 +118,12 @@ def patch(model: Any, cfg: Any) -> list:
     import torch
 
     from ... import engage
+    from . import cp_init
     from .train import unwrapped
 
     size = ulysses.cp_size()
     rm = sys.modules[RM_MODULE]
     cls = rm.RMTrainer
-    _patch.require_params(cls.__init__, ("self", "args", "model", "renderer", "train_dataset", "callbacks"),
-                          "RMTrainer.__init__")
     _patch.require_params(cls.compute_loss, ("self", "batch"), "RMTrainer.compute_loss")
     sp = importlib.import_module(ulysses.SP_MODULE)
     mapping, key, where = ulysses.slot(sp)
@@ -137,23 +135,15 @@ def patch(model: Any, cfg: Any) -> list:
     def taken(m: Any) -> bool:
         return bool(engage.causal_lm_of(unwrapped(m)).__dict__.get(TAKEN))
 
-    def make_init(original):
-        def __init__(self, args, model, renderer, train_dataset, callbacks=None):
-            if not taken(model):
-                return original(self, args, model, renderer, train_dataset, callbacks)
-            info_rank0(f"[liger_fsdp] v1 reward modelling under sequence parallelism (Ulysses, cp_size {size}): "
-                       "LLaMA-Factory's RMTrainer refuses cp_size > 1; with `liger_fsdp` each rank scores its "
-                       f"1/{size} of every pair row (the row's own positions), the scores are gathered across the CP "
-                       "group with autograd and RMTrainer.compute_loss runs on them (nothing to fuse: a one-logit "
-                       "score head).")
-            super(cls, self).__init__(args, model, renderer, train_dataset, callbacks)  # BaseTrainer's
+    def built(trainer: Any, model: Any) -> None:
+        info_rank0(f"[liger_fsdp] v1 reward modelling under sequence parallelism (Ulysses, cp_size {size}): "
+                   "LLaMA-Factory's RMTrainer refuses cp_size > 1; with `liger_fsdp` each rank scores its "
+                   f"1/{size} of every pair row (the row's own positions), the scores are gathered across the CP "
+                   "group with autograd and RMTrainer.compute_loss runs on them (nothing to fuse: a one-logit "
+                   "score head).")
 
-        return __init__
-
-    done = _patch.apply(cls, "__init__", make_init, "v1 RM under CP: LLaMA-Factory's cp_size refusal lifted for a model "
-                                                    "whose loss the plugin answers")
-    if done is not None:
-        undo.append(lambda: _patch.undo(cls, "__init__"))
+    undo += cp_init.patch(cls, taken, built, "v1 RM under CP: RMTrainer.__init__ without its cp_size refusal for a "
+                                             "model whose loss the plugin answers")
     original = mapping[key]
     if getattr(original, _patch.MARK, False):
         return undo

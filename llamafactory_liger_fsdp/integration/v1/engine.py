@@ -188,7 +188,7 @@ def run_config(kernel_config: Any = None) -> config.LigerFsdpConfig:
 
 def engage_v1(model: Any, kernel_config: Any = None):
     """v1's kernel entry: engage the (PEFT) model for log-probs requests and patch what this run needs."""
-    from ... import engage
+    from ... import engage, fingerprints
 
     cfg = run_config(kernel_config)
     if not cfg.enabled:
@@ -201,6 +201,7 @@ def engage_v1(model: Any, kernel_config: Any = None):
 
     if causal_lm.get_output_embeddings() is None and v1_cp_rm.rm_run() and v1_cp.cp_size() > 1:
         engage.record_undo(model, v1_cp_rm.patch(model, cfg))  # RM under CP: the CP part only (a score head)
+        fingerprints.settle(cfg.guard)  # the upstream code this run depends on, against what CI saw
         return model
     if causal_lm.get_output_embeddings() is None:
         raise LigerFsdpConfigError(
@@ -226,4 +227,5 @@ def engage_v1(model: Any, kernel_config: Any = None):
         v1_layers.patch(model)  # each decoder layer a unit where v1's finder misses them (0.9.5, a PeftModel)
     if getattr(cfg.sharding, "kind", None) == sharding.DEEPSPEED and cfg.sharding.zero_stage == 3:
         engage.record_undo(model, zero3_dtypes(model))  # v1 loads under zero.init too
+    fingerprints.settle(cfg.guard)  # the upstream code this run depends on, against what CI saw
     return model
