@@ -28,13 +28,13 @@ from typing import Any
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fingerprints.json")
 NO_SOURCE = "no-source"
 SAID = "untested_code"
-FIX = ("Fix: install the tested versions (README, \"Supported versions\"), or remove `liger_fsdp`, and report this line "
-       "with the pieces named")
+FIX = ("Fix: install the tested versions (README, \"Supported versions\"), or remove `liger_fsdp`, and report this "
+       "line with the pieces named")
 
 
 @dataclass(frozen=True)
 class Piece:
-    name: str  # "module:Qualified.name", where the function is defined (a family's forward: where transformers exports it)
+    name: str  # "module:Qualified.name" where it is defined (a family's forward: where transformers exports it)
     compared: bool  # the first-step guard runs this very function as its reference side and compares the result
     why: str
 

@@ -70,7 +70,7 @@ def said(caplog) -> list[str]:
 def test_fingerprint_is_the_code_not_its_formatting(tmp_path):
     variants = {
         "a": 'def f(x, y=1):\n    """Doc."""\n    z = x + y  # sum\n    return z * 2\n',
-        "b": "def f(x, y = 1):\n    z = (x +\n         y)\n\n    return z*2\n",  # no docstring, other layout, no comment
+        "b": "def f(x, y = 1):\n    z = (x +\n         y)\n\n    return z*2\n",  # no docstring or comment, other layout
         "c": 'def f(x, y=1):\n    """Doc."""\n    z = x + y\n    return z * 3\n',  # one constant changed
         "d": 'def f(x, y=1):\n    """Doc."""\n    z = x - y\n    return z * 2\n',  # one operator changed
     }

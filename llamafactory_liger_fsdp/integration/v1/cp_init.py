@@ -36,7 +36,8 @@ def _reads_cp_size(node: ast.AST) -> bool:
 
 def is_refusal(stmt: ast.stmt) -> bool:
     """``if args.cp_size > 1: raise NotImplementedError(...)`` (or ``cp_size > 1``), nothing else in it."""
-    if not (isinstance(stmt, ast.If) and not stmt.orelse and len(stmt.body) == 1 and isinstance(stmt.body[0], ast.Raise)):
+    if not (isinstance(stmt, ast.If) and not stmt.orelse and len(stmt.body) == 1
+            and isinstance(stmt.body[0], ast.Raise)):
         return False
     exc, test = stmt.body[0].exc, stmt.test
     return (isinstance(exc, ast.Call) and isinstance(exc.func, ast.Name) and exc.func.id == "NotImplementedError"
