@@ -384,3 +384,119 @@ def test_plan_prefers_low_traffic_within_budget():
         v_s, r = plan_tiles(nv, h, v)
         mem = lean_bytes(nv, h, v_s, r, need_h=True, need_w=True, gather=True)
         assert mem <= triton_lean.DEFAULT_MEM_BUDGET and v_s >= 2048 and r >= 2048
+
+
+# --------------------------------------------------------------------------- the fused logits GEMM (ops.triton_fused)
+FUSED_SMALL = (32, 64, 32, 1, 1, 2, False)  # several row, column and K tiles on small shapes, GROUP_M edges
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """``triton_fused`` forced on under the interpreter with small tiles; ``set(mode, lean)`` picks the paths;
+    ``launches`` counts the kernel's launches by epilogue."""
+    from llamafactory_liger_fsdp.ops import triton_fused
+
+    monkeypatch.setattr(triton_fused, "FORCE", True)
+    monkeypatch.setattr(triton_fused, "CONFIG", FUSED_SMALL)
+    launches = []
+    real = triton_fused._launch
+
+    def counted(h, weight, epi, **kw):
+        launches.append(epi)
+        return real(h, weight, epi, **kw)
+
+    monkeypatch.setattr(triton_fused, "_launch", counted)
+
+    class Ctl:
+        def set(self, mode, lean):
+            monkeypatch.setattr(triton_fused, "RULES", [(1 << 30, mode, lean)])
+
+    ctl = Ctl()
+    ctl.launches = launches
+    return ctl
+
+
+@pytest.mark.parametrize("softcap,eps", [(None, 0.0), (2.5, 0.1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_gemm_matches_cublas_and_the_passes(fused, dtype, softcap, eps):
+    """Its z equals the fp32 GEMM of the 16-bit operands, its statistics the pass's over that z (with or without z
+    stored), its dz bitwise the dz pass's (V = 1000: ragged last column tile; 45 rows: ragged last row tile)."""
+    from llamafactory_liger_fsdp.ops import triton_fused
+
+    h, w, _ = inputs(45, 96, 1000, dtype, seed=4)
+    h, w = h.detach(), w.detach()
+    y = torch.randint(0, 1000, (45,), generator=torch.Generator().manual_seed(2))
+    y[:4] = torch.tensor([0, 255, 256, 999])
+    z = torch.empty(45, 1000)
+    stats = triton_fused.logits_stats(h, w, y, softcap, eps, z_out=z)
+    ref_z = h.float() @ w.float().t()
+    assert rel(z, ref_z) <= 1e-6
+    want = triton_kernels.chunk_stats(ref_z, y, softcap, eps)
+    for got, ref, again in zip(stats, want, triton_fused.logits_stats(h, w, y, softcap, eps)):
+        assert (got is None and ref is None) or (rel(got, ref) <= 1e-6 and torch.equal(got, again))
+    m, inv_s = stats[0], 1.0 / stats[1]
+    dz, ref_dz = torch.empty(45, 1000, dtype=dtype), torch.empty(45, 1000, dtype=dtype)
+    assert triton_fused.logits_dz(h, w, dz, m, inv_s, softcap, eps, 1000, 2.0**15 if dtype == torch.float16 else 1.0)
+    triton_kernels.launch_dz(z, ref_dz, m, inv_s, softcap, eps, 1000, 2.0**15 if dtype == torch.float16 else 1.0)
+    assert torch.equal(dz, ref_dz)
+
+
+@pytest.mark.parametrize("path", ["stats", "recompute", "lean"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["mean", "sum", "smooth", "softcap", "none"])
+def test_fused_paths_at_the_rounding_floor(fused, path, dtype, case):
+    """Each path through the fused GEMM (several chunks / tiles): dX, dW within 5% of rounding the float64 gradient
+    and below plain torch's, the loss at fp32; the fused kernel really ran."""
+    fused.set(None if path == "lean" else path, path == "lean")
+    g = torch.rand(96, generator=torch.Generator().manual_seed(0)) * 3 + 0.1 if case == "none" else None
+    kw = {"reduction": "mean" if case in ("smooth", "softcap") else case, "grad_rows": g,
+          "label_smoothing": 0.1 if case == "smooth" else 0.0, "softcap": 3.0 if case == "softcap" else None}
+    h, w, y = inputs(96, 64, 1000, dtype, seed=5)
+    ref_loss, ref_dh, ref_dw = reference(h, w, y, **kw)
+    _, t_dh, t_dw = plain_torch(h, w, y, **kw)
+    tiles = (16, 256, 32) if path == "lean" else (16, 0, 0)
+    loss, dh, dw = run(_triton, h, w, y, tiles=tiles, fast=path != "lean", **kw)
+    if case != "none" or path == "lean":  # "none" on the fast backend keeps dz (triton_rows), not the fused GEMM
+        assert fused.launches and (2 in fused.launches) == (path != "stats")
+    assert rel(loss, ref_loss) <= 1e-6
+    for ours, ref, plain in ((dh, ref_dh, t_dh), (dw, ref_dw, t_dw)):
+        assert rel(ours, ref) <= 1.05 * rel(ref.to(dtype), ref) and rel(ours, ref) <= rel(plain, ref)
+
+
+def test_fused_forward_only_and_frozen_head(fused):
+    """The forward alone (lean statistics, no gradient buffers) and a LoRA head ([W | B], W frozen) through it."""
+    fused.set("recompute", True)
+    h, w_all, y = inputs(80, 72, 1000, torch.bfloat16, seed=8)
+    ref_loss, ref_dh, ref_dw = reference(h, w_all, y)
+    with torch.no_grad():
+        assert rel(fused_linear_cross_entropy(h, w_all, y, backend="triton"), ref_loss) <= 1e-6
+    assert fused.launches == [0]
+    frozen, b = w_all.detach()[:, :64].contiguous(), w_all.detach()[:, 64:].clone().requires_grad_()
+    for backend in ("triton", "triton_fast"):
+        h.grad = None
+        fused_linear_cross_entropy(h, b, y, backend=backend, frozen_weight=frozen).backward()
+        assert rel(h.grad, ref_dh) <= 1.05 * rel(ref_dh.bfloat16(), ref_dh)
+        assert rel(b.grad, ref_dw[:, 64:]) <= 1.05 * rel(ref_dw[:, 64:].bfloat16(), ref_dw[:, 64:])
+        b.grad = None
+    assert fused.launches.count(2) >= 2
+
+
+def test_fused_used_only_where_it_runs(monkeypatch):
+    """Not on the CPU without FORCE, not for fp32 or unaligned rows (H % 8, V % 8), not after a compile failure; no
+    rule, no use."""
+    from llamafactory_liger_fsdp.ops import triton_fused
+
+    h, w, _ = inputs(16, 64, 1000, torch.bfloat16)
+    h, w = h.detach(), w.detach()
+    monkeypatch.setattr(triton_fused, "RULES", [(4096, "recompute", True)])
+    assert not triton_fused.usable(h, w) and triton_fused.mode_for(h, w) == (None, False)
+    monkeypatch.setattr(triton_fused, "FORCE", True)
+    assert triton_fused.mode_for(h, w) == ("recompute", True)
+    assert not triton_fused.usable(h.float(), w.float())
+    assert not triton_fused.usable(inputs(16, 60, 1000, torch.bfloat16)[0].detach(),
+                                   inputs(16, 60, 1000, torch.bfloat16)[1].detach())
+    assert not triton_fused.usable(h, w[:996])
+    monkeypatch.setattr(triton_fused, "RULES", [(32, "recompute", True)])
+    assert triton_fused.mode_for(h, w) == (None, False)
+    monkeypatch.setattr(triton_fused, "_failed", ["CompilationError: x"])
+    assert not triton_fused.usable(h, w)

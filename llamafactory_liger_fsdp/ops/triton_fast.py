@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import triton_common as tc
+from . import triton_fused as tf
 from . import triton_kernels as tk
 
 
@@ -30,21 +31,19 @@ class _FastFLCE(torch.autograd.Function):
         lse = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         loss_rows = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
         tgt = torch.empty(n_valid, device=hidden.device, dtype=torch.float32)
+        mode = tf.mode_for(hidden, weight)[0]
+        if mode == "recompute":  # 16-bit dz buffer, no fp32 logits: twice the rows in the same bytes
+            chunk_rows *= tf.RECOMPUTE_ROWS_X
         c = max(1, min(n_valid, chunk_rows))
         targets = tc.Targets.of(scan, eps, need_h or need_w)
-        wt = weight.t()
-        z_buf = torch.empty(c, v, device=hidden.device, dtype=torch.float32) if n_valid else None
+        buf = None
+        if n_valid:
+            buf = torch.empty(c, v, device=hidden.device, dtype=dtype if mode == "recompute" else torch.float32)
         for s0 in range(0, n_valid, c):
             rows = slice(s0, s0 + c)
             h_c = tc.gather(hidden, idx, all_valid, rows, False)
-            y_c = y_valid[rows]
-            z = tc.mm_f32(h_c, wt, out=z_buf[: h_c.shape[0]])
-            m_c, s_c, t_c, zs_c = tk.chunk_stats(z, y_c, softcap, eps)
-            lse[rows], loss_rows[rows], inv_s_c = tc.finish(m_c, s_c, t_c, zs_c, eps, v)
-            tgt[rows] = t_c
-            dz = tk.dz_over(z, dtype)  # written over the logits: one [c, V] fp32 buffer in all
-            tk.launch_dz_inplace(z, dz, m_c, inv_s_c, softcap, eps, v, S)
-            del z
+            dz, stats = _chunk_dz(h_c, weight, y_valid[rows], buf[: h_c.shape[0]], mode, softcap, eps, S)
+            lse[rows], loss_rows[rows], tgt[rows] = stats
             if need_h:
                 tc.mm_f32(dz, weight, out=dh_raw[rows])
             if need_w and s0 == 0:  # the first chunk writes the accumulator (no 4 V H-byte fill)
@@ -52,7 +51,7 @@ class _FastFLCE(torch.autograd.Function):
             elif need_w:
                 tc.addmm_f32_(dw_raw, dz.t(), h_c[:, col0:])
             del dz, h_c
-        del z_buf
+        del buf
         if targets is not None:
             targets.coef(tc.target_coef(tgt, softcap, eps, S))
             if need_h:
@@ -84,6 +83,35 @@ class _FastFLCE(torch.autograd.Function):
         if dh_raw is not None:
             dh = tc.scaled_rows(dh_raw, scale, idx, all_valid, n, ctx.dtype)
         return dh, dw, None
+
+
+def _chunk_dz(h_c, weight, y_c, buf, mode, softcap, eps, S):
+    """(dz [c, V] in the inputs' dtype, (lse, loss, target logit)) of one chunk: with ``mode`` None cuBLAS's fp32
+    logits in ``buf``, the statistics pass and dz written over them; "stats": the fused GEMM writes the logits and
+    their statistics, then the same dz pass; "recompute" (``buf`` 16-bit): the fused GEMM's statistics, then the
+    fused GEMM again writing dz into ``buf`` (a compile failure falls back to cuBLAS, logged once)."""
+    v = weight.shape[0]
+    stats = None
+    if mode == "stats":
+        stats = tf.logits_stats(h_c, weight, y_c, softcap, eps, z_out=buf)
+    elif mode == "recompute":
+        stats = tf.logits_stats(h_c, weight, y_c, softcap, eps)
+    z = None
+    if stats is None:
+        z = tc.mm_f32(h_c, weight.t(), out=None if mode == "recompute" else buf)
+        stats = tk.chunk_stats(z, y_c, softcap, eps)
+    m_c, s_c, t_c, zs_c = stats
+    lse_c, loss_c, inv_s_c = tc.finish(m_c, s_c, t_c, zs_c, eps, v)
+    if mode == "recompute":
+        dz = buf
+        if z is not None or not tf.logits_dz(h_c, weight, dz, m_c, inv_s_c, softcap, eps, v, S):
+            z = tc.mm_f32(h_c, weight.t()) if z is None else z
+            tk.launch_dz(z, dz, m_c, inv_s_c, softcap, eps, v, S)
+    else:
+        z = buf
+        dz = tk.dz_over(z, h_c.dtype)  # written over the logits: one [c, V] fp32 buffer in all
+        tk.launch_dz_inplace(z, dz, m_c, inv_s_c, softcap, eps, v, S)
+    return dz, (lse_c, loss_c, t_c)
 
 
 def fast_flce(hidden, weight, scan, reduction, softcap, eps, chunk_rows, frozen=None):

@@ -10,6 +10,7 @@ import torch
 import triton
 
 from . import triton_common as tc
+from . import triton_fused as tf
 from . import triton_kernels as tk
 
 DEFAULT_MEM_BUDGET = 1024 * 1024 * 1024  # lean path working memory (chosen from bench/RESULTS.md section 1)
@@ -83,9 +84,16 @@ def _lean_forward(hidden, weight, idx, y_valid, all_valid, softcap, eps, v_s, r)
     t = torch.zeros(n_valid, device=dev, dtype=torch.float32)
     zs = torch.zeros(n_valid, device=dev, dtype=torch.float32) if eps else t
     one_block = r >= n_valid
+    fused = tf.mode_for(hidden, weight)[1]
     for r0 in range(0, n_valid, r):
         rows = slice(r0, r0 + r)
         h_r = tc.gather(hidden, idx, all_valid, rows, one_block)
+        stats = tf.logits_stats(h_r, weight, y_valid[rows], softcap, eps) if fused else None
+        if stats is not None:  # all of V in one fused launch: no fp32 logits written or read
+            m[rows], s[rows], t[rows] = stats[:3]
+            if eps:
+                zs[rows] = stats[3]
+            continue
         for s0 in range(0, v, v_s):
             w_s = weight[s0 : s0 + v_s]
             z = tc.mm_f32(h_r, w_s.t())
@@ -153,6 +161,7 @@ def _lean_backward(ctx, grad_loss):
     dh_acc = torch.zeros(n_valid, h, device=hidden.device, dtype=torch.float32) if need_h else None
     dw = torch.empty(w_cols.shape, device=weight.device, dtype=weight.dtype) if need_w else None
     one_block = r >= n_valid
+    fused = tf.mode_for(hidden, weight)[1]  # dz straight from the fused GEMM (the forward's logits, bitwise)
     h_all = tc.gather(hidden, idx, all_valid, slice(0, n_valid), True) if one_block else None
     for s0 in range(0, v, v_s):
         w_s = weight[s0 : s0 + v_s]
@@ -160,10 +169,11 @@ def _lean_backward(ctx, grad_loss):
         for r0 in range(0, n_valid, r):
             rows = slice(r0, r0 + r)
             h_r = h_all if one_block else tc.gather(hidden, idx, all_valid, rows, False)
-            z = tc.mm_f32(h_r, w_s.t())
-            dz = torch.empty(z.shape, device=z.device, dtype=dtype)
-            tk.launch_dz(z, dz, m[rows], inv_s[rows], softcap, eps, v, S)
-            del z
+            dz = torch.empty(h_r.shape[0], w_s.shape[0], device=h_r.device, dtype=dtype)
+            if not (fused and tf.logits_dz(h_r, w_s, dz, m[rows], inv_s[rows], softcap, eps, v, S)):
+                z = tc.mm_f32(h_r, w_s.t())
+                tk.launch_dz(z, dz, m[rows], inv_s[rows], softcap, eps, v, S)
+                del z
             if need_h:
                 tc.addmm_f32_(dh_acc[rows], dz, w_s)
             if need_w:
