@@ -103,11 +103,28 @@ def phases(shape, c=3072):
     return rows
 
 
+def check_fused(args, meta, rows, out, t0):
+    """bench_flce's --check grid with the fused paths forced on (rows to --check-out, a summary row)."""
+    if args.check_out and time.time() - t0 < args.deadline:
+        from llamafactory_liger_fsdp.ops import triton_fused
+
+        triton_fused.RULES = [(BIG, "recompute", True)]
+        checks = []
+        bf.check(checks, args.check_out.replace("{card}", card_key(meta["card"])))
+        rows.append({"check_rules": triton_fused.RULES, "n_checks": len(checks),
+                     "worst_x_floor": max((max(c["err_dx"] / c["floor_dx"], c["err_dw"] / c["floor_dw"])
+                                           for c in checks if "err_dx" in c and c.get("floor_dx") and c["backend"] != "torch"
+                                           and c["dtype"] != "float32"), default=None),
+                     "errors": [c for c in checks if "error" in c][:3]})
+        print("check summary", json.dumps(rows[-1]), flush=True)
+        dump_json(out, rows)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default=SHAPES)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS) + ",liger")
     ap.add_argument("--small-variants", default="fast,fast_stats,fast_rec,lean,lean_fused",
                     help="at 0%% / 50%% ignored (25%% runs every variant)")
     ap.add_argument("--deadline", type=float, default=1e9)
@@ -125,7 +142,10 @@ def main():
         rows += phases(shape)
         dump_json(out, rows)
     real_make_impl = bf.make_impl
-    for ignore in (0.25, 0.0, 0.5):
+    for ignore in (0.25, "check", 0.0, 0.5):
+        if ignore == "check":
+            check_fused(args, meta, rows, out, t0)
+            continue
         names = args.variants if ignore == 0.25 else args.small_variants
         for shape in shapes:
             ref = None
@@ -133,30 +153,19 @@ def main():
                 if time.time() - t0 > args.deadline:
                     rows.append({"impl": name, "shape": list(shape), "ignored_frac": ignore, "skipped": "deadline"})
                     continue
-                backend = set_variant(name)
+                backend = set_variant("fast" if name == "liger" else name)
                 if ref is None:
                     ref = bf.reference(*bf.make_inputs(*shape, ignore=ignore))
                 bf.make_impl = lambda _n, b=backend: real_make_impl("project" if b == "triton" else "project_fast")
+                if name == "liger":
+                    bf.make_impl = real_make_impl
                 row = bf.bench_impl(name, shape, rate, 10, 3, ref, ignore)
-                row["variant"] = VARIANTS[name][1:]
+                row["variant"] = VARIANTS.get(name, ("liger",))[1:]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 dump_json(out, rows)
             del ref
             torch.cuda.empty_cache()
-    if args.check_out and time.time() - t0 < args.deadline:  # the real-size checks with the fused paths forced on
-        from llamafactory_liger_fsdp.ops import triton_fused
-
-        triton_fused.RULES = [(BIG, "recompute", True)]
-        checks = []
-        bf.check(checks, args.check_out.replace("{card}", card_key(meta["card"])))
-        rows.append({"check_rules": triton_fused.RULES, "n_checks": len(checks),
-                     "worst_x_floor": max((max(c["err_dx"] / c["floor_dx"], c["err_dw"] / c["floor_dw"])
-                                           for c in checks if "err_dx" in c and c.get("floor_dx") and c["backend"] != "torch"
-                                           and c["dtype"] != "float32"), default=None),
-                     "errors": [c for c in checks if "error" in c][:3]})
-        print("check summary", json.dumps(rows[-1]), flush=True)
-        dump_json(out, rows)
     set_variant("fast")
     print(f"{'phase / impl':22s} {'shape':22s} {'ign':>4s} {'ms':>8s} {'TF/s|x_v':>8s} {'MiB':>6s} {'dx':>8s} {'dw':>8s}")
     for r in rows[1:]:
