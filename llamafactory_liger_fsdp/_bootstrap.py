@@ -33,10 +33,22 @@ from .hooked import MODULES as HOOKED_MODULES
 ACTIVE = False
 
 
-def _loaded(module) -> None:
-    from llamafactory_liger_fsdp import integration
+_UNAVAILABLE: list = []  # said once a process
 
-    integration.on_module_loaded(module.__name__, module)
+
+def _loaded(module) -> None:
+    """Hand a hooked module to the integration; nothing raised here reaches the import of ``module``."""
+    try:
+        from llamafactory_liger_fsdp import integration
+
+        integration.on_module_loaded(module.__name__, module)
+    except Exception as exc:  # the integration itself cannot be imported (a broken install)
+        if _UNAVAILABLE:
+            return
+        _UNAVAILABLE.append(module.__name__)
+        print(f"[liger_fsdp] unavailable: cannot hook {module.__name__} ({type(exc).__name__}: {exc}); it runs as "
+              "installed, without the plugin. Fix: reinstall the plugin (`pip install .`), and report this line.",
+              file=sys.stderr, flush=True)
 
 
 def install() -> bool:

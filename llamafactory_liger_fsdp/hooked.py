@@ -12,8 +12,9 @@ V1_PARSER = "llamafactory.v1.config.arg_parser"
 V1_KERNELS = "llamafactory.v1.plugins.model_plugins.kernels.interface"
 # `accelerate launch`: the accelerate CLI's launch command (refusals before any rank starts)
 ACCELERATE_LAUNCH = "accelerate.commands.launch"
+TORCHRUN = "torch.distributed.run"  # torchrun's (and accelerate launch's) elastic launch
 
-MODULES = frozenset((PARSER, LOADER, LAUNCHER, V1_LAUNCHER, V1_PARSER, V1_KERNELS, ACCELERATE_LAUNCH))
+MODULES = frozenset((PARSER, LOADER, LAUNCHER, V1_LAUNCHER, V1_PARSER, V1_KERNELS, ACCELERATE_LAUNCH, TORCHRUN))
 
 # Patched later, by a run of their stage only (imported then, not hooked at import).
 DPO = "llamafactory.train.dpo.trainer"

@@ -42,14 +42,18 @@ def test_hook_imports_nothing_at_start():
                           "llamafactory_liger_fsdp.hooked"}, under
 
 
-@pytest.mark.parametrize("yaml, expected", [
-    ("kernel_config: {name: liger_fsdp}\ndist_config: {name: fsdp2, cp_size: 2, cp_mode: ring}\n",
-     "`dist_config.cp_mode: ring`")])
-def test_v1_engine_refusals_before_any_rank(tmp_path, yaml, expected):
-    """USE_V1=1: what the yaml alone decides is refused in the launching process, once, last, with the fix (one yaml
-    end to end; every refusal of the same precheck, in process: test_v1.py::test_v1_launcher_precheck_refuses)."""
+def test_v1_engine_refusals_before_any_rank(tmp_path):
+    """USE_V1=1: what the yaml alone decides is refused in the launching process, once, last, with the fix -- here a
+    CP yaml that would stop every rank (cp_size without flash_attention_2; every such yaml, in process:
+    test_refusal_paths.py::test_cp_yamls_that_stop_every_rank_refused_before_any_rank)."""
+    import yaml
+
+    from llamafactory_liger_fsdp.integration.v1 import cp_args
+
     cfg = tmp_path / "v1.yaml"
-    cfg.write_text("model: whatever\n" + yaml)
+    cfg.write_text(yaml.safe_dump({"model": "whatever", "kernel_config": {"name": "liger_fsdp"},
+                                   "micro_batch_size": 2, **cp_args.as_yaml(2)}))
+    expected = "cp_size: 2` with `flash_attn: sdpa`"
     cli = os.path.join(os.path.dirname(sys.executable), "llamafactory-cli")
     proc = subprocess.run([cli, "sft", str(cfg)], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, USE_V1="1", FORCE_TORCHRUN="1", NPROC_PER_NODE="2"))
@@ -58,6 +62,26 @@ def test_v1_engine_refusals_before_any_rank(tmp_path, yaml, expected):
     last = out.strip().splitlines()[-1]
     assert last.startswith("[liger_fsdp] error: ") and expected in last and "Fix:" in last, out[-3000:]
     assert out.count("[liger_fsdp] error") == 1 and "Initializing 2 distributed tasks" not in out
+
+
+@pytest.mark.parametrize("where", ["a patcher", "the integration's import"])
+def test_a_failing_hook_leaves_llamafactory_importable(where):
+    """Any exception while hooking a module (not only the PatchError of a moved patch point) leaves LLaMA-Factory as
+    installed: `import llamafactory` and its parser work, and one line says the plugin is unavailable and why."""
+    force = ("import llamafactory_liger_fsdp.integration.llamafactory as m\n"
+             "def boom(module):\n    raise RuntimeError('forced in the test')\n"
+             "m.patch_parser = m.patch_loader = boom\n" if where == "a patcher" else
+             "import sys\nsys.modules['llamafactory_liger_fsdp.integration'] = None\n")
+    code = force + ("import llamafactory, llamafactory.hparams.parser as p, llamafactory.model.loader as l\n"
+                    "print('imported', hasattr(p, 'get_train_args'), getattr(p._parse_args, '__liger_fsdp_patch__', "
+                    "False))")
+    e = dict(os.environ)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "imported True False", proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "[liger_fsdp]" in line]
+    assert len(said) == 1 and said[0].startswith("[liger_fsdp] unavailable: cannot hook llamafactory.") and (
+        ("forced in the test" if where == "a patcher" else "ModuleNotFoundError") in said[0]), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_loader_and_reexports_patched_and_unpatch_restores():

@@ -1,11 +1,13 @@
 """Refusals before any rank starts, through the real launchers: `USE_MCA=y` (LLaMA-Factory's own reading of the
 switch; mcore_adapter stood in by a stub package) as a yaml and as `--key value` arguments of `llamafactory-cli train`,
-and a misspelled key under `accelerate launch` -- each one message, printed once, as the last line, exit 1, and no
-rank started. The rules themselves are tested in process in test_refusal_paths.py."""
+and a misspelled key under `accelerate launch` and a bare `torchrun` -- each one message, printed once, as the last
+line, exit 1, and no rank started; a guard stop in the ranks printed last by the launching process (bare torchrun,
+llamafactory-cli). The rules themselves are tested in process in test_refusal_paths.py."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,15 +70,43 @@ def test_typo_under_accelerate_launch_is_one_message_last(assets, tmp_path):
     _refused_once_and_last(rc, log, "[liger_fsdp] error: Unknown key(s) `liger_fsdp_gaurd`")
 
 
-def test_typo_in_torchrun_ranks_is_one_line_not_a_traceback_per_rank(assets, tmp_path):
-    """Ranks started by torchrun itself (no launcher to check first): rank 0 says the refusal once, no rank prints its
-    traceback (torchrun's own failure summary follows; it is not the plugin's)."""
+def test_typo_under_a_bare_torchrun_is_one_message_last(assets, tmp_path):
+    """torchrun itself (no LLaMA-Factory launcher to check first): the torchrun process checks the arguments before
+    it starts any rank, as `llamafactory-cli` and `accelerate launch` do."""
     path = tmp_path / "typo.yaml"
     path.write_text(yaml.safe_dump(base_yaml(assets, tmp_path / "out", liger_fsdp=True, liger_fsdp_gaurd=True)))
     import llamafactory.launcher
 
     rc, log = _run([str(BIN / "torchrun"), "--nproc_per_node", "2", llamafactory.launcher.__file__, str(path)],
                    tmp_path, CUDA_VISIBLE_DEVICES="")
-    assert rc != 0
-    assert log.count("[liger_fsdp] error: Unknown key(s) `liger_fsdp_gaurd`") == 1, log[-4000:]
-    assert "LigerFsdpConfigError" not in log and "[rank0]: Traceback" not in log, log[-4000:]
+    _refused_once_and_last(rc, log, "[liger_fsdp] error: Unknown key(s) `liger_fsdp_gaurd`")
+
+
+INJECT = Path(__file__).resolve().parent / "v1_stop_inject"
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "llamafactory-cli"])
+def test_guard_stop_in_the_ranks_is_the_last_thing_read(assets, tmp_path, launcher):
+    """v1, 2 ranks, a 1% error in the plugin's log-probs (tests/v1_stop_inject): the guard stops step 1 on every rank;
+    the ranks hand the stop to the launching process, which prints it after the launch ended -- no traceback per
+    rank, no ChildFailedError / Root Cause block, no CalledProcessError -- under a bare torchrun (the v1 launcher's
+    file) and under `llamafactory-cli` (its torchrun nested inside)."""
+    pytest.importorskip("llamafactory.v1")
+    import llamafactory.v1.launcher
+
+    from support.v1 import SHIM, v1_yaml
+
+    out = tmp_path / "stop"
+    path = tmp_path / "stop.yaml"
+    path.write_text(yaml.safe_dump(v1_yaml(assets, out, max_steps=1)))
+    command = ([str(BIN / "torchrun"), "--nproc_per_node", "2", llamafactory.v1.launcher.__file__, "sft", str(path)]
+               if launcher == "torchrun" else [str(BIN / "llamafactory-cli"), "sft", str(path)])
+    rc, log = _run(command, tmp_path, CUDA_VISIBLE_DEVICES="", USE_V1="1", FORCE_TORCHRUN="1", NPROC_PER_NODE="2",
+                   PYTHONPATH=os.pathsep.join([str(INJECT), str(SHIM)]))
+    lines = [line for line in log.splitlines() if line.strip()]
+    stops = [i for i, line in enumerate(lines) if line.startswith("[liger_fsdp] error: `liger_fsdp_guard`: on step ")]
+    assert rc == 1 and stops, log[-6000:]
+    assert stops == list(range(len(lines) - len(stops), len(lines))), log[-6000:]  # the last lines read
+    assert {re.search(r"rank (\d)", lines[i]).group(1) for i in stops} == {"0", "1"}, log[-6000:]
+    for noise in ("Traceback", "ChildFailedError", "Root Cause", "CalledProcessError", "LigerFsdpConfigError"):
+        assert noise not in log, log[-6000:]

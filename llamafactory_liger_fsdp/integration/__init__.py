@@ -16,6 +16,13 @@ LLaMA-Factory, always (:mod:`.llamafactory`, patched by the import hook right af
 accelerate's CLI, always (:mod:`.launch`): ``accelerate.commands.launch.launch_command`` -- ``accelerate launch``
 checks the training script's arguments the same way before it starts any process.
 
+torch, always (:mod:`.stop`): ``torch.distributed.run.run`` -- a bare ``torchrun`` checks them too, and every
+launching process prints a refusal or guard stop of its ranks last (the ranks hand it over, :func:`.stop.install_in_rank`
+when the parser loads).
+
+Nothing here may break the import of the module it hooks: any exception while hooking one (not only
+:class:`.._patch.PatchError`) leaves LLaMA-Factory as installed and says in one line that the plugin is unavailable.
+
 LLaMA-Factory's v1 engine (``USE_V1=1``; :mod:`.v1.engine`): its launcher (the same check), its ``get_args`` and its kernel
 registry (entry ``liger_fsdp``); once engaged (:mod:`.v1.train`), ``BaseTrainer.compute_log_probs`` and, under FSDP2,
 its ``fully_shard``; in a DPO run v1's ``DPOTrainer`` (:mod:`.v1.dpo`).
@@ -47,28 +54,48 @@ from __future__ import annotations
 
 from typing import Any
 
+import sys
+
 from .. import _patch
-from .._log import info_rank0
-from ..hooked import ACCELERATE_LAUNCH, LAUNCHER, LOADER, MODULES, PARSER, V1_KERNELS, V1_LAUNCHER, V1_PARSER
+from ..hooked import (ACCELERATE_LAUNCH, LAUNCHER, LOADER, MODULES, PARSER, TORCHRUN, V1_KERNELS, V1_LAUNCHER,
+                      V1_PARSER)
+
+
+_SAID: set = set()  # "unavailable" said in this process
+
+
+def unavailable(name: str, exc: BaseException) -> None:
+    """The one line of a hook that failed (the first in a process; rank 0): LLaMA-Factory runs as installed."""
+    import os
+
+    if _SAID or os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) not in ("", "0"):
+        return
+    _SAID.add(name)
+    why = str(exc) if isinstance(exc, _patch.PatchError) else f"{type(exc).__name__}: {exc}"
+    print(f"[liger_fsdp] unavailable: cannot hook {name} ({why}); LLaMA-Factory runs as installed, without the "
+          "plugin (a yaml with `liger_fsdp` keys is rejected by its parser). Fix: install the plugin's tested "
+          "versions (`python -m llamafactory_liger_fsdp env`), and report this line.", file=sys.stderr, flush=True)
 
 
 def on_module_loaded(name: str, module: Any) -> None:
-    """Called by the import hook right after a hooked LLaMA-Factory module has executed: the parser, loader and
-    launcher are hooked in every process (the keys must parse); the preference trainers are patched later, only
-    by a run of their stage (:func:`.preference.patch_stage`)."""
+    """Called by the import hook right after a hooked module has executed: the parser, loader and launchers are
+    hooked in every process (the keys must parse); the preference trainers are patched later, only by a run of their
+    stage (:func:`.preference.patch_stage`). Never raises (:func:`unavailable`)."""
     if name not in MODULES:
         return
-    from . import launch, llamafactory
-    from .v1 import engine as v1
-
-    patchers = {PARSER: llamafactory.patch_parser, LOADER: llamafactory.patch_loader,
-                LAUNCHER: launch.patch_launcher, V1_LAUNCHER: v1.patch_v1_launcher,
-                V1_PARSER: v1.patch_v1_parser, V1_KERNELS: v1.patch_v1_kernels,
-                ACCELERATE_LAUNCH: launch.patch_accelerate_launch}
     try:
+        from . import launch, llamafactory, stop
+        from .v1 import engine as v1
+
+        patchers = {PARSER: llamafactory.patch_parser, LOADER: llamafactory.patch_loader,
+                    LAUNCHER: launch.patch_launcher, V1_LAUNCHER: v1.patch_v1_launcher,
+                    V1_PARSER: v1.patch_v1_parser, V1_KERNELS: v1.patch_v1_kernels,
+                    ACCELERATE_LAUNCH: launch.patch_accelerate_launch, TORCHRUN: stop.patch_torchrun}
         patchers[name](module)
-    except _patch.PatchError as exc:
-        info_rank0(f"[liger_fsdp] cannot hook {name}: {exc}; `liger_fsdp` is unavailable in this environment")
+        if name in (PARSER, V1_PARSER):  # a LLaMA-Factory run in this process: a rank hands its stop over
+            stop.install_in_rank()
+    except Exception as exc:  # never break the import of the hooked module
+        unavailable(name, exc)
 
 
 def unpatch() -> None:

@@ -9,11 +9,13 @@ there is one message from rank 0, not a traceback per rank (:func:`.._log.one_me
   under ``USE_V1=1``) as v1's launcher checks it.
 
 What a launcher said once (the untested-versions line) is handed to its ranks for that launch only
-(:func:`.._log.handed_on`).
+(:func:`.._log.handed_on`); a refusal or guard stop in its ranks is handed back and printed last (:mod:`.stop`, which
+also hooks ``torchrun`` itself).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +24,7 @@ from .. import _log, _patch, refusals, sharding, versions
 from ..args import read_args
 from ..checkpoint import resume
 from ..config import LigerFsdpConfigError
+from . import stop
 from .common import refused
 
 
@@ -67,7 +70,7 @@ def patch_launcher(launcher_module: Any) -> None:
                 except LigerFsdpConfigError as exc:
                     refused(exc)
             with _log.handed_on():
-                return original()
+                return stop.run_collecting(original)
 
         return launch
 
@@ -81,14 +84,15 @@ def _carries_our_keys(raw: Any) -> bool:
     return any(isinstance(k, str) and k.startswith("liger_fsdp") for k in values)
 
 
-def _runs_v1(args: Any, script_args: list) -> bool:
-    """A v1 training command (``sft``, ``dpo``, ...) run by v1's launcher, or by LLaMA-Factory's CLI under USE_V1."""
+def _runs_v1(script: str, script_args: list) -> bool:
+    """A v1 training command (``sft``, ``dpo``, ...) run by v1's launcher (``-m llamafactory.v1.launcher`` or its
+    file), or by LLaMA-Factory's CLI under USE_V1."""
     from ..args import env_enabled
     from .v1.engine import COMMANDS
 
-    script = str(getattr(args, "training_script", "") or "")
-    return bool(script_args[:1]) and script_args[0] in COMMANDS and (
-        script.startswith("llamafactory.v1") or env_enabled("USE_V1"))
+    v1_launcher = script.startswith("llamafactory.v1") or script.replace(os.sep, "/").endswith(
+        "llamafactory/v1/launcher.py")
+    return bool(script_args[:1]) and script_args[0] in COMMANDS and (v1_launcher or env_enabled("USE_V1"))
 
 
 def _precheck_v1(script_args: list) -> None:
@@ -112,6 +116,15 @@ def _precheck_script(script_args: list) -> None:
         precheck(raw)
 
 
+def precheck_script(script: str, script_args: list) -> None:
+    """The arguments of a training script that a launcher (``accelerate launch``, ``torchrun``) starts: checked as
+    the engine's own launcher checks them (v1: :func:`.v1.engine.precheck`)."""
+    if _runs_v1(script, script_args):
+        _precheck_v1(script_args)
+    else:
+        _precheck_script(script_args)
+
+
 def patch_accelerate_launch(launch_module: Any) -> None:
     """``accelerate launch``: the training script's arguments checked before accelerate starts any process."""
     _patch.require_params(launch_module.launch_command, ("args",), "accelerate launch_command")
@@ -121,14 +134,11 @@ def patch_accelerate_launch(launch_module: Any) -> None:
             _log.new_run()
             script_args = list(getattr(args, "training_script_args", None) or [])
             try:
-                if _runs_v1(args, script_args):
-                    _precheck_v1(script_args)
-                else:
-                    _precheck_script(script_args)
+                precheck_script(str(getattr(args, "training_script", "") or ""), script_args)
             except LigerFsdpConfigError as exc:
                 refused(exc)
             with _log.handed_on():
-                return original(args)
+                return stop.run_collecting(original, args)
 
         return launch_command
 

@@ -29,6 +29,7 @@ from ... import _log, _patch, config, sharding, versions
 from ..._log import say_once
 from ...config import LigerFsdpConfigError
 from . import args as v1_args
+from .. import stop
 from ..common import SAID_DISABLED, SAID_NO_EFFECT, SAID_VERSIONS, read_model_config, refused, zero3_dtypes
 
 COMMANDS = ("train", "sft", "dpo", "rm")
@@ -95,7 +96,7 @@ def patch_v1_launcher(launcher_module: Any) -> None:
                 except LigerFsdpConfigError as exc:
                     refused(exc)
             with _log.handed_on():
-                return original()
+                return stop.run_collecting(original)  # the ranks' stops printed last
 
         return launch_
 
