@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .._log import info_rank0
+from .._log import error_text, info_rank0
 
 #: Keys of the lines said once per run (:func:`.._log.say_once`).
 SAID_DISABLED, SAID_VERSIONS, SAID_NO_EFFECT = "disabled", "versions", "no_effect"
@@ -39,6 +39,6 @@ def zero3_dtypes(model: Any) -> list:
 
 def refused(exc: Exception) -> None:
     """A launching process's end on a refusal (either engine's launcher, ``accelerate launch``): the message, once
-    and last; exit 1."""
-    print(f"[liger_fsdp] error: {exc}", file=sys.stderr, flush=True)
+    and last (wrapped in LlamaBoard's web UI mode: :func:`.._log.error_text`); exit 1."""
+    print(error_text(exc), file=sys.stderr, flush=True)
     sys.exit(1)
