@@ -100,8 +100,8 @@ class FusedForward:
         trainer's method that asked is held against LLaMA-Factory's own by the guard."""
         for key in ("labels", "logits_to_keep", "output_router_logits"):
             params.pop(key, None)
-        if self.state.steps == 0:
-            self.first_step()
+        if self.state.steps == 0:  # the memory report waits for the first call with gradients (not a guard's side,
+            self.seam.report = self.first_step()  # not a reference pass): HeadLoss.token_logps takes it then
         hidden = self.decoder(params, extra).last_hidden_state
         token_logps, sums = self.seam.token_logps(hidden, request.labels, sums=request.sums, shifted=request.shifted)
         return fp32_limbs.pack(token_logps, sums, self.seam.vocab_size)

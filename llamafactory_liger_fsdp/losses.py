@@ -76,7 +76,7 @@ class HeadLoss:
         self.causal_lm, self.head, self.family, self.backend = causal_lm, head, family, backend
         self.softcap = families.softcap(family, causal_lm.config)
         self.scale = families.logit_scale(family, causal_lm.config, causal_lm)
-        self.report: Callable | None = None  # wraps the next loss() kernel call once (the memory report)
+        self.report: Callable | None = None  # wraps the next training kernel call once (the memory report)
 
     @property
     def vocab_size(self) -> int:
@@ -137,6 +137,8 @@ class HeadLoss:
         h = hidden.reshape(-1, hidden.shape[-1])
         y = (labels if shifted else shifted_labels(labels, ignore_index)).reshape(-1).to(h.device)
         per_row = self._kernel(h.device, ignore_index=ignore_index, reduction="none")
+        if self.report is not None and torch.is_grad_enabled():  # the memory report: the first call that trains
+            per_row, self.report = functools.partial(self.report, per_row), None
         softcap = self.softcap
 
         def kernel(h_in: torch.Tensor, w: torch.Tensor, y_in: torch.Tensor, frozen_weight: torch.Tensor | None = None):

@@ -74,3 +74,56 @@ def test_report_does_not_change_the_numbers(kind):
     for (n, p), (_, q) in zip(ref.named_parameters(), cand.named_parameters()):
         if p.requires_grad:
             assert rel(q.grad, p.grad) <= 1e-5, n
+
+
+def _memory_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if "[liger_fsdp] memory" in line]
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_report_on_the_log_probs_path(capsys, shifted):
+    """The preference stages' and v1's call (``forward.token_logps``; ``shifted``: a sequence-parallel shard's, as
+    v1's CP loss asks): the report measures the first call with gradients -- not a no-gradient call before it (the
+    guard's sides, a reference pass) -- once."""
+    from llamafactory_liger_fsdp import forward
+    from llamafactory_liger_fsdp.engage import causal_lm_of
+
+    _, cand = twin("llama", "mts")
+    engage(cand, LigerFsdpConfig(enabled=True, backend="torch", memory_report=True), any_head=True,
+           request_only=True)
+    cand.train()
+    batch = make_batch(seed=1)
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        forward.token_logps(cand, causal_lm_of(cand), batch, labels, sums=False, shifted=shifted)
+    assert _memory_lines(capsys) == []
+    for _ in range(2):
+        logps, _, _ = forward.token_logps(cand, causal_lm_of(cand), batch, labels, sums=True, shifted=shifted)
+        logps.sum().backward()
+    lines = _memory_lines(capsys)
+    assert len(lines) == 1 and "(forward " in lines[0] and ", backward " in lines[0], lines
+    assert f"the unfused logits of these {labels.numel()} tokens" in lines[0], lines
+
+
+def test_report_on_v1s_compute_log_probs(capsys):
+    """v1 (kernel_config.liger_fsdp_memory_report): through v1's own kernel registry and BaseTrainer.compute_log_probs,
+    the report prints once."""
+    pytest.importorskip("llamafactory.v1")
+    from test_v1 import apply_kernel, build, sft_loss, v1_batch
+
+    from llamafactory_liger_fsdp import engage as engage_module
+    from llamafactory_liger_fsdp.integration.v1 import engine as v1
+
+    model = build("mts")
+    apply_kernel(model, {"name": "liger_fsdp", "liger_fsdp_guard": False, "liger_fsdp_memory_report": True,
+                         "liger_fsdp_backend": "torch"})
+    try:
+        model.train()
+        for step in range(2):
+            _, loss = sft_loss(model, v1_batch(seed=step), step=step + 1)
+            loss.backward()
+        lines = _memory_lines(capsys)
+        assert len(lines) == 1 and ", backward " in lines[0], lines
+    finally:
+        engage_module.disengage(model)
+        v1._RUN["config"] = None
