@@ -9,7 +9,8 @@ ranks. :func:`install` (called by ``cpu_ulysses_shim/sitecustomize.py``, which t
   backward of ``torch.distributed.nn.all_gather`` on gloo (torch emulates its reduce-scatter by scatters from global
   ranks ``0..n-1``, which fails in a subgroup without rank 0: data parallel x CP) by that all-to-all and a sum;
 * ``dist.get_rank()`` inside v1's ``sequence_parallel`` module (its loss moves the inputs to that CUDA index) by
-  the CPU device;
+  the CPU device -- or, with ``CPU_ULYSSES_STRICT_DEVICES=1`` in a process whose global rank is not its local rank
+  (a second torchrun "node"), by an error: a real node has no device of that index;
 * transformers' ``flash_attention_forward`` calling ``s_aux.to()`` on None (transformers 5.6; 5.8 checks).
 
 Nothing here changes what the loss or the attention computes; the Ulysses all-to-all, its padding and splitting are
@@ -130,9 +131,13 @@ def _patch_all_to_all() -> None:
     autograd_fn._AllGather.backward = staticmethod(backward)
 
 
+STRICT = "CPU_ULYSSES_STRICT_DEVICES"
+
+
 class _CpuRankDist:
     """``torch.distributed`` for v1's sequence_parallel module, except that ``get_rank()`` (which it uses only as the
-    device to move inputs to) is the CPU."""
+    device to move inputs to) is the CPU; under :data:`STRICT` it raises where the global rank is not the local rank
+    (the CUDA index would name another node's device, or none)."""
 
     def __getattr__(self, name):
         import torch.distributed as dist
@@ -143,10 +148,20 @@ class _CpuRankDist:
         import torch
         import torch.distributed as dist
 
-        return torch.device("cpu") if group is None else dist.get_rank(group)
+        if group is not None:
+            return dist.get_rank(group)
+        import os
+
+        rank, local = os.environ.get("RANK", "0"), os.environ.get("LOCAL_RANK", "0")
+        if os.environ.get(STRICT) == "1" and rank != local:
+            raise RuntimeError(f"cpu_ulysses ({STRICT}): {SP_MODULE} addresses device cuda:{rank} by the global "
+                               f"rank; this process is local rank {local} of its node, which has no such device "
+                               "(CUDA error: invalid device ordinal)")
+        return torch.device("cpu")
 
 
 def _patch_sequence_parallel(mod) -> None:
+    import torch.distributed as dist
     import torch.distributed.nn  # noqa: F401  (the loss's autograd all_gather)
 
     mod.dist = _CpuRankDist()
@@ -160,7 +175,8 @@ def _patch_sequence_parallel(mod) -> None:
             cut = [r * t for r in range(1, cp.size()) if r * t < ids.shape[-1]]
             across = int((labels[:, cut] != -100).sum()) if labels is not None and cut else 0
             print(f"[cpu_ulysses] rank {cp.get_local_rank()} of cp {cp.size()}: input_ids {list(ids.shape)} -> "
-                  f"{list(out['input_ids'].shape)}, labelled targets across shard boundaries: {across}",
+                  f"{list(out['input_ids'].shape)}, labelled targets across shard boundaries: {across} "
+                  f"(global rank {dist.get_rank()})",
                   file=sys.stderr, flush=True)
         return out
 
