@@ -76,8 +76,8 @@ def cards(paths: str) -> dict:
     before the rows said how v1 wrapped is LLaMA-Factory 0.9.5's whole-model unit)."""
     out = {}
     for r in [r for path in paths.split(",") for r in load_rows(path)]:
-        if r.get("layers") == LAYERS and r.get("fits") and not r.get("smoke") and r.get("variant") in ("plain-head",
-                                                                                                    "plugin-head"):
+        if r.get("layers") == LAYERS and r.get("fits") and not r.get("smoke") and not r.get("offload_params") \
+                and r.get("variant") in ("plain-head", "plugin-head"):
             variant = "plugin" if r["variant"] == "plugin-head" else "plain-layers" if r.get("layer_units_forced") \
                 else "plain"
             point = (r.get("cp_size", 1), r["cutoff_len"] * r.get("micro_batch_size", 1), variant,
