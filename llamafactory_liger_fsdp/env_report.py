@@ -1,9 +1,10 @@
 """``python -m llamafactory_liger_fsdp env``: one paste for a bug report.
 
 Prints the plugin's version, every library the version policy (:mod:`.versions`) checks with its minimum, the newest
-tested release and what the policy makes of the installed one, the other libraries a run may use, the device and the
-kernel backend ``liger_fsdp_backend: auto`` would pick there, whether the ``.pth`` import hook is active, and the
-environment variables that change what the plugin or LLaMA-Factory do. Runs without a GPU and without LLaMA-Factory.
+tested release and what the policy makes of the installed one, the other libraries a run may use, the LLaMA-Factory
+functions the plugin depends on whose code CI never saw (:mod:`.fingerprints`), the device and the kernel backend
+``liger_fsdp_backend: auto`` would pick there, whether the ``.pth`` import hook is active, and the environment
+variables that change what the plugin or LLaMA-Factory do. Runs without a GPU and without LLaMA-Factory.
 """
 
 from __future__ import annotations
@@ -79,6 +80,24 @@ def llamafactory_check() -> list[str]:
     return [f"  LLaMA-Factory's own version check: {', '.join(outside)}: {then}"]
 
 
+def code_lines() -> list[str]:
+    """LLaMA-Factory's functions the plugin depends on whose code CI never saw (its version string may be one CI
+    tested: every git main reports 0.9.6.dev0); transformers' are left to its version (a release bumps it)."""
+    if find_spec("llamafactory") is None:
+        return []
+    from . import fingerprints
+
+    try:
+        gone = fingerprints.missing("llamafactory")
+    except Exception as err:  # a broken install: say so, the rest of the report still prints
+        return [f"  LLaMA-Factory code: not checked ({type(err).__name__}: {err})"]
+    if not gone:
+        return [f"  LLaMA-Factory code: every function the plugin depends on is code CI ran "
+                f"({len(fingerprints.this_stack('llamafactory'))} checked)"]
+    return [f"  LLaMA-Factory code CI never saw (untested whatever the version; the guard stops where it cannot "
+            f"compare): {', '.join(gone)}"]
+
+
 def device_lines() -> list[str]:
     """The device training would use and the backend ``auto`` picks there (imports torch)."""
     try:
@@ -111,6 +130,7 @@ def lines() -> list[str]:
            f"  python {platform.python_version()} ({sys.executable}) on {platform.platform()}"]
     out += library_lines()
     out += llamafactory_check()
+    out += code_lines()
     out += device_lines()
     out.append(hook_line())
     out += [f"  {key}={os.environ[key]}" for key in SWITCHES if key in os.environ]

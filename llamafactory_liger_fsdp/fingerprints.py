@@ -231,10 +231,10 @@ def settle(guard: bool) -> None:
 
 
 # --------------------------------------------------------------------------- recording (CI, developers)
-def this_stack() -> dict[str, str]:
-    """piece name -> fingerprint, for every registered piece this stack has."""
+def this_stack(prefix: str = "") -> dict[str, str]:
+    """piece name -> fingerprint, for every registered piece (named ``prefix...``) this stack has."""
     out = {}
-    for name in registry():
+    for name in (n for n in registry() if n.startswith(prefix)):
         try:
             out[name] = _print_of(name)
         except (ImportError, AttributeError):
@@ -248,10 +248,10 @@ def stack_label() -> str:
     return ", ".join(f"{n} {versions.installed(n)}" for n in ("llamafactory", "transformers"))
 
 
-def missing() -> list[str]:
-    """The pieces of this stack whose code the data file does not hold (re-record)."""
+def missing(prefix: str = "") -> list[str]:
+    """The pieces of this stack (named ``prefix...``) whose code the data file does not hold (re-record)."""
     data = recorded()
-    return [f"{n} ({fp})" for n, fp in this_stack().items() if fp not in data.get(n, {})]
+    return [f"{n} ({fp})" for n, fp in this_stack(prefix).items() if fp not in data.get(n, {})]
 
 
 def record(label: str | None = None) -> int:

@@ -155,6 +155,17 @@ def test_sequence_parallel_loss_changed_under_the_same_version_is_untested_and_s
                 fingerprints.settle(guard=True)
 
 
+def test_env_names_llamafactory_code_ci_never_saw(monkeypatch):
+    from llamafactory_liger_fsdp import env_report
+
+    (line,) = env_report.code_lines()
+    assert line.startswith("  LLaMA-Factory code: every function the plugin depends on is code CI ran"), line
+    data = {k: v for k, v in fingerprints.recorded().items() if k != RM_INIT}
+    monkeypatch.setattr(fingerprints, "_DATA", data)
+    (line,) = env_report.code_lines()
+    assert line.startswith("  LLaMA-Factory code CI never saw") and RM_INIT in line, line
+
+
 def test_unregistered_use_is_a_developer_error():
     with pytest.raises(KeyError, match="PIECES"):
         fingerprints.use("llamafactory.nowhere:f")
