@@ -49,8 +49,6 @@ def main():
     ap.add_argument("--head-tokens", type=int, default=16384)
     ap.add_argument("--fsdp", default="1,2", help="FSDP versions for curves/heads")
     ap.add_argument("--cpu-smoke", action="store_true", help="2 gloo ranks on the CPU, the tiny model, tiny steps")
-    ap.add_argument("--cpu-shim", default=shim("cpu_fsdp_shim"), help="with --cpu-smoke: a directory put on "
-                    "PYTHONPATH that lets accelerate shard on CPU ranks (default: the package's testing/cpu_fsdp_shim)")
     args = ap.parse_args()
     gpu = "cpu" if args.cpu_smoke else card()
     args.out = args.out.replace("{card}", card_key(gpu))
@@ -62,7 +60,7 @@ def main():
     common = {}
     if args.cpu_smoke:
         # the shim lets accelerate shard on CPU ranks; Liger's Triton kernels run interpreted
-        env.update(PYTHONPATH=os.pathsep.join(p for p in (args.cpu_shim, os.environ.get("PYTHONPATH")) if p),
+        env.update(PYTHONPATH=os.pathsep.join(p for p in (shim("cpu_fsdp_shim"), os.environ.get("PYTHONPATH")) if p),
                    OMP_NUM_THREADS="1", TRITON_INTERPRET="1", CPU_FSDP_SHIM_SKIP_SAVE="1", LF_BENCH_LIGER_LOSS_ONLY="1")
         common = dict(use_cpu=True, bf16=False, lora_rank=4, preprocessing_num_workers=1, learning_rate=1e-3,
                       per_device_train_batch_size=2, packing=False)

@@ -15,6 +15,7 @@ excess over it at cp 1, whole. Method, checks and limits: bench/RESULTS.md secti
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -163,24 +164,16 @@ def main() -> None:
             checks.append(dict(variant=variant, llamafactory=LF, cp_size=1, tokens=args.check_tokens,
                                depth=args.check_depth, twin_gib=p3["peak_gib"], extrapolated_gib=predicted,
                                residual_gib=predicted - p3["peak_gib"]))
-    old = load_rows(args.out) if os.path.exists(args.out) else []
-    kept = [r for r in old if r.get("llamafactory") not in (None, LF)]  # other LLaMA-Factory versions' rows
-    old_checks = json_of(args.out).get("depth_check", [])
-    meta = json_of(args.out).get("meta", {})
+    old = json.load(open(args.out)) if os.path.exists(args.out) else {}
+    ours = lambda r: r.get("llamafactory") in (None, LF)  # noqa: E731 -- other LLaMA-Factory versions' rows are kept
+    meta = old.get("meta", {})
     meta.update(twin=args.scale, depths=[d1, d2], h200_gib=H200_GIB,
                 method="bench/twin_cp.py's docstring; bench/RESULTS.md section 14")
     meta.setdefault("runs", {})[LF] = dict(date=now(), commit=commit())
-    dump_json(args.out, {"rows": kept + rows, "meta": meta,
-                         "depth_check": [c for c in old_checks if c.get("llamafactory") not in (None, LF)] + checks})
+    dump_json(args.out, {"rows": [r for r in old.get("rows", []) if not ours(r)] + rows, "meta": meta,
+                         "depth_check": [c for c in old.get("depth_check", []) if not ours(c)] + checks})
     print_table(rows, checks)
     print(f"rows written to {args.out}")
-
-
-def json_of(path: str) -> dict:
-    import json
-
-    data = json.load(open(path)) if os.path.exists(path) else {}
-    return data if isinstance(data, dict) else {}
 
 
 def print_table(rows: list, checks: list = ()) -> None:

@@ -62,18 +62,6 @@ def assets(work: str, smoke: bool, cutoff: int, twin: int = 0, layers: int = 2, 
     return os.path.join(mdir, "model"), data
 
 
-def cp_keys(size: int) -> dict:
-    """v1's Ulysses keys as the installed v1 spells them: git main's top-level ``cp_size`` / ``cp_mode``, else
-    0.9.5's ``dist_config``."""
-    import dataclasses
-
-    from llamafactory.v1.config.training_args import TrainingArguments
-
-    if "cp_size" in {f.name for f in dataclasses.fields(TrainingArguments)}:
-        return {"dist_config": {"name": "fsdp2"}, "cp_size": size, "cp_mode": "ulysses"}
-    return {"dist_config": {"name": "fsdp2", "cp_size": size, "cp_mode": "ulysses"}}
-
-
 def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
     kernel, mts = VARIANTS[variant]
     out = os.path.join(work, tag)
@@ -85,7 +73,9 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
                peft_config={"name": "lora", "r": max(1, 16 // s), "lora_alpha": max(1, 32 // s), "target_modules": "all",
                             "modules_to_save": mts})
     if args.cp > 1:
-        cfg.update(cp_keys(args.cp), flash_attn="flash_attention_2")
+        from llamafactory_liger_fsdp.integration.v1 import cp_args  # the keys as the installed v1 spells them
+
+        cfg.update(cp_args.as_yaml(args.cp), flash_attn="flash_attention_2")
     if args.offload:  # FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer states on the host
         cfg["dist_config"] = dict(cfg["dist_config"], offload_params=True)
     if kernel:
