@@ -33,6 +33,7 @@ CONFIG = (128, 256, 64, 3, 8, 8, True)
 # "recompute": stats GEMM then dz GEMM (8 N_v H V flops, no fp32 logits); "stats": statistics in the epilogue of the
 # stored-z GEMM. bench/RESULTS.md section 1 (h100_kernel4.json) chose them.
 RULES: list[tuple[int, str | None, bool]] = []
+STATS_ROWS = 4096  # rows of one statistics-only launch of the lean forward (its partials: 64 MiB at V 262144)
 RECOMPUTE_ROWS_X = 2  # "recompute" keeps a 16-bit [c, V] dz, not fp32 logits: this many times the fast path's rows
 _failed: list[str] = []
 
@@ -40,11 +41,13 @@ _failed: list[str] = []
 @triton.jit
 def _round16(g, IS_BF16: tl.constexpr):
     """fp32 ``g`` rounded once to bf16 (to nearest even by hand, as :func:`.triton_kernels._round_to`) or fp16."""
-    if IS_BF16:
+    if IS_BF16:  # (an if / else: one return, whose type the constexpr picks)
         bits = g.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return g.to(tl.float16)
+        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = g.to(tl.float16)
+    return out
 
 
 @triton.jit

@@ -88,12 +88,8 @@ def _lean_forward(hidden, weight, idx, y_valid, all_valid, softcap, eps, v_s, r)
     for r0 in range(0, n_valid, r):
         rows = slice(r0, r0 + r)
         h_r = tc.gather(hidden, idx, all_valid, rows, one_block)
-        stats = tf.logits_stats(h_r, weight, y_valid[rows], softcap, eps) if fused else None
-        if stats is not None:  # all of V in one fused launch: no fp32 logits written or read
-            m[rows], s[rows], t[rows] = stats[:3]
-            if eps:
-                zs[rows] = stats[3]
-            continue
+        if fused and _fused_stats(h_r, weight, y_valid, r0, softcap, eps, (m, s, t, zs)):
+            continue  # all of V per launch: no fp32 logits written or read
         for s0 in range(0, v, v_s):
             w_s = weight[s0 : s0 + v_s]
             z = tc.mm_f32(h_r, w_s.t())
@@ -108,6 +104,22 @@ def _lean_forward(hidden, weight, idx, y_valid, all_valid, softcap, eps, v_s, r)
         del h_r
     lse, loss, inv_s = tc.finish(m, s, t, zs, eps, v)
     return lse, loss, t, m, inv_s
+
+
+def _fused_stats(h_r, weight, y_valid, r0, softcap, eps, out) -> bool:
+    """The rows' statistics over all of V from the fused GEMM, ``tf.STATS_ROWS`` rows a launch (its per-tile partial
+    statistics stay within ~16 bytes x rows x V / 256); False where it does not compile."""
+    for a in range(0, h_r.shape[0], tf.STATS_ROWS):
+        h_a = h_r[a : a + tf.STATS_ROWS]
+        rows = slice(r0 + a, r0 + a + h_a.shape[0])
+        stats = tf.logits_stats(h_a, weight, y_valid[rows], softcap, eps)
+        if stats is None:  # (a compile failure: the pass starts these rows afresh)
+            for dst, val in zip(out, (float("-inf"), 0.0, 0.0, 0.0)):
+                dst[r0 : r0 + h_r.shape[0]] = val
+            return False
+        for dst, val in zip(out, stats if eps else stats[:3]):
+            dst[rows] = val
+    return True
 
 
 class _LeanFLCE(torch.autograd.Function):
