@@ -49,17 +49,13 @@ for _loss, _pcfg in PREF.items():
                   f"cutoff_len {ASSETS[_len][0]}" + (" (tokens/s: input_ids only, not the KL completions)" * (_loss == "kto")))
 
 
-def asset_dir(work, key, smoke):
-    return os.path.join(work, f"smoke_{key}" if smoke else "llama3-8b" if key == "sft" else f"llama3-8b_pref{key}")
-
-
 def assets(work, key, smoke):
     """The model + data directory of one asset set (the same random weights in every set: seed 0)."""
-    mdir = asset_dir(work, key, smoke)
     _, words, rows = (SMOKE_ASSETS if smoke else ASSETS)[key]
-    if not smoke:
-        return build(work, os.path.basename(mdir), SPEC, 2, rows=rows, answer_words=words, seed=0)
-    return tiny_assets(mdir, "--rows", rows, "--answer-words", *words)
+    if smoke:
+        return tiny_assets(os.path.join(work, f"smoke_{key}"), "--rows", rows, "--answer-words", *words)
+    return build(work, "llama3-8b" if key == "sft" else f"llama3-8b_pref{key}", SPEC, 2, rows=rows, answer_words=words,
+                 seed=0)
 
 
 def run_args(work, name, variant, mdir, smoke):
