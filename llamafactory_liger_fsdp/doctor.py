@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import _bootstrap
 
     _bootstrap.install()  # evaluate the yaml as the hook would, even where it is not active
-    if command is not None or doctor_v1.is_v1(_raw(argv)):
+    if doctor_v1.is_v1(_raw(argv)):  # the command only matters to v1 (a default-engine yaml names its stage)
         ok, lines = doctor_v1.check_yaml(argv[0], argv[1:], command)
     else:
         ok, lines = check_yaml(argv[0], argv[1:], accelerate)
