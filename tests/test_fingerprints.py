@@ -24,13 +24,15 @@ SP_LOSS = f"{SP}:sequence_parallel_loss"
 
 @pytest.fixture(autouse=True)
 def fresh_run(monkeypatch):
-    """Each test its own set of used pieces and said lines; every patch undone."""
+    """Each test its own set of used pieces and said lines; the patches it made undone (the import hook's stay)."""
     from llamafactory_liger_fsdp import _log
 
     monkeypatch.setattr(fingerprints, "_USED", {})
     monkeypatch.setattr(_log, "_SAID", set())
+    before = list(_patch._APPLIED)
     yield
-    _patch.undo_all()
+    for patch in [p for p in _patch._APPLIED if not any(p is q for q in before)][::-1]:
+        _patch.undo(patch.owner, patch.name)
 
 
 def edited_copy(fn, old: str, new: str, tmp_path, owner: type | None = None):
@@ -113,9 +115,10 @@ def test_v1_trainer_method_changed_under_the_same_version_is_untested_and_stops(
 
     version = versions.installed("llamafactory")
     assert not versions.untested({"llamafactory": version})  # the version string alone: tested
-    cp_init.patch(RMTrainer, lambda m: True, lambda t, m: None, "test")
+    undo = cp_init.patch(RMTrainer, lambda m: True, lambda t, m: None, "test")
     assert fingerprints.unseen() == [] and RM_INIT in fingerprints._USED  # as CI saw it: tested
-    _patch.undo_all()
+    for step in undo:
+        step()
 
     edited = edited_copy(RMTrainer.__init__, "super().__init__(", "self.extra = 0\n        super().__init__(",
                          tmp_path, RMTrainer)
