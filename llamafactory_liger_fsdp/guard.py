@@ -68,6 +68,8 @@ class Check:
     models: tuple = ()  # engaged causal LMs whose forwards must run their original during the original side
     loss_line: bool = False  # SFT: say "model's own loss" / "fused loss"
     windowed: Callable[[Any], tuple] | None = None  # a batch too large to run whole: (original, ours) for a window
+    fix: str | None = None  # the mismatch's fix where removing `liger_fsdp` alone is not one (tested versions)
+    said_as: str = "with the fused kernel"  # the line's words for the plugin's side
 
 
 class Rng:
@@ -85,11 +87,14 @@ class Rng:
 
 def vocab_problem(causal_lm, ids, labels: torch.Tensor, shift_labels, ignore_index: int) -> str | None:
     """Token ids or labels the model's vocabulary cannot take (a data error, not a mismatch)."""
-    rows = getattr(causal_lm.get_input_embeddings(), "num_embeddings", None)
+    rows = getattr(causal_lm.get_input_embeddings(), "num_embeddings", None) if causal_lm is not None else None
     if rows is not None and torch.is_tensor(ids) and ids.numel() and (int(ids.max()) >= rows or int(ids.min()) < 0):
         bad = int(ids.max()) if int(ids.max()) >= rows else int(ids.min())
         return f"token id {bad} in input_ids, outside the {rows} rows of the input embedding"
-    v = causal_lm.get_output_embeddings().out_features
+    head = causal_lm.get_output_embeddings() if causal_lm is not None else None
+    if head is None:  # a score head: no vocabulary to label
+        return None
+    v = head.out_features
     for what, y in (("labels", labels), ("shift_labels", shift_labels)):
         if torch.is_tensor(y):
             wrong = (y != ignore_index) & ((y < 0) | (y >= v))
@@ -98,12 +103,25 @@ def vocab_problem(causal_lm, ids, labels: torch.Tensor, shift_labels, ignore_ind
     return None
 
 
-def all_max(values: list[float], device) -> list[float]:
+def collective_device(group=None) -> torch.device:
+    """The device the tensors of a collective over ``group`` (default: the world) live on: the CPU for a gloo-only
+    group, else the current accelerator device (NCCL: the current CUDA device) -- never a parameter's (CPU offload).
+    Without a process group: the accelerator's device (where training computes), else the CPU."""
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    backend = str(dist.get_backend(group)).lower() if dist.is_available() and dist.is_initialized() else None
+    accelerator = getattr(torch, "accelerator", None)
+    if backend == "gloo" or accelerator is None or not accelerator.is_available():
+        return torch.device("cpu")
+    return torch.device(accelerator.current_accelerator().type, accelerator.current_device_index())
+
+
+def all_max(values: list[float], group=None) -> list[float]:
+    """The element-wise maximum of ``values`` over every rank of ``group`` (default: the world), on its device."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
         return values
-    flag = torch.tensor(values, device=device, dtype=torch.float64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    flag = torch.tensor(values, device=collective_device(group), dtype=torch.float64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return flag.tolist()
 
 
@@ -153,17 +171,9 @@ def hold(check: Check, causal_lm, family, batch: dict, labels: torch.Tensor, *, 
     vocab = causal_lm.get_output_embeddings().out_features
     piece, too_big = guard_slice.choose(batch, labels, masked_mean=family.loss == "masked_mean", pairs=pairs,
                                         shifted=shifted, ignore_index=ignore_index, vocab=vocab)
-    device = next(causal_lm.parameters()).device  # the collectives' device (v1 hands labels over on the CPU)
     data_rank, any_labels, any_too_big = all_max(
-        [rank() + 1 if problem else 0, 1 if piece.labelled else 0, 1 if too_big else 0], device)
-    if data_rank:
-        where = problem or f"rank {int(data_rank) - 1}'s batch has a token id or label outside the vocabulary"
-        raise LigerFsdpDataError(
-            f"`resize_vocab`: step {step}, rank {rank()}: {where}. The tokenizer has more tokens than the model's "
-            "embeddings (added tokens); the run without liger_fsdp fails on it as well. Fix: set `resize_vocab: true` "
-            "(LLaMA-Factory resizes the embeddings and the head to the tokenizer), or use the model's own tokenizer."
-        )
-    if not any_labels:
+        [rank() + 1 if problem else 0, 1 if piece.labelled else 0, 1 if too_big else 0])
+    if not data_checked(problem, data_rank, any_labels, step):
         return False
     original, replacement, window = check.original, check.ours, None
     if any_too_big:
@@ -191,44 +201,62 @@ def hold(check: Check, causal_lm, family, batch: dict, labels: torch.Tensor, *, 
         raise
     finally:
         rng.restore()
-    return _decide(check, causal_lm, family, piece, calls, pairs_out, device, step)
-
-
-def _decide(check: Check, causal_lm, family, piece, calls, pairs_out, device, step: int) -> bool:
     own = sum(c.calls for c in calls) == 0
     dtype = next((c.dtype for c in calls if c.dtype is not None), None) or causal_lm.get_output_embeddings().weight.dtype
-    if torch.is_autocast_enabled(device.type):
-        dtype = torch.get_autocast_dtype(device.type)
+    decide(check, causal_lm, family.model_type, pairs_out, dtype=dtype, own=own, where=piece.describe(),
+           labelled=bool(piece.labelled), step=step)
+    return True
+
+
+def data_checked(problem: str | None, data_rank: float, any_labels: float, step: int) -> bool:
+    """After the first all-reduce: a data error on any rank stops every rank; False when no rank has labels."""
+    if data_rank:
+        where = problem or f"rank {int(data_rank) - 1}'s batch has a token id or label outside the vocabulary"
+        raise LigerFsdpDataError(
+            f"`resize_vocab`: step {step}, rank {rank()}: {where}. The tokenizer has more tokens than the model's "
+            "embeddings (added tokens); the run without liger_fsdp fails on it as well. Fix: set `resize_vocab: true` "
+            "(LLaMA-Factory resizes the embeddings and the head to the tokenizer), or use the model's own tokenizer."
+        )
+    return bool(any_labels)
+
+
+def decide(check: Check, model, model_type: str, pairs_out: dict, *, dtype, own: bool, where: str, labelled: bool,
+           step: int, precision: str | None = None) -> None:
+    """Compare ``pairs_out`` (name -> (original's, ours)) within the bound of ``dtype`` and decide on every rank
+    together (one all-reduce): a mismatch anywhere stops every rank; else one line (rank 0)."""
+    kind = collective_device().type
+    if torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
     rtol, atol = bounds(dtype, own)
     bad, name, a, f = worst_element(pairs_out, rtol, atol)
-    precision = f"{str(dtype).replace('torch.', '')} logits of the model's own precision (its forward never calls " \
-        "the output embedding as a module)" if own else f"fp32 logits from the same {str(dtype).replace('torch.', '')} inputs"
+    name16 = str(dtype).replace('torch.', '')
+    precision = precision or (f"{name16} logits of the model's own precision (its forward never calls the output "
+                              "embedding as a module)" if own else f"fp32 logits from the same {name16} inputs")
     if check.loss_line:
         head = f"model's own {name} {a:.7g}, fused {name} {f:.7g}"
     else:
-        head = f"{check.what}: {name} {a:.7g}, with the fused kernel {f:.7g} (worst element)"
-    text = f"{head} (|diff| {abs(f - a):.3g}, bound {rtol * abs(a) + atol:.3g}; {precision}) on {piece.describe()}"
-    if not piece.labelled:
+        head = f"{check.what}: {name} {a:.7g}, {check.said_as} {f:.7g} (worst element)"
+    text = f"{head} (|diff| {abs(f - a):.3g}, bound {rtol * abs(a) + atol:.3g}; {precision}) on {where}"
+    if not labelled:
         bad, text = False, "not checked on this rank: no labelled position in its slice"
-    (mismatch,) = all_max([float(bad)], device)
+    (mismatch,) = all_max([float(bad)])
     if mismatch:
         if not bad:
-            text = ("this rank's slice was not checked (no labelled position in it)" if not piece.labelled else
+            text = ("this rank's slice was not checked (no labelled position in it)" if not labelled else
                     f"this rank's slice agreed ({text})") + "; another rank's did not (see its error)"
         newer = versions.untested()
         fix = (f"Installed versions newer than tested: {', '.join(newer)}; a newer library may have changed what the "
-               f"loss sees. {FIX_UNTESTED}" if newer else "Fix: remove `liger_fsdp` for this model and report this "
-               f"line with your transformers version (llamafactory {versions.installed('llamafactory')})")
+               f"loss sees. {FIX_UNTESTED}" if newer else check.fix or "Fix: remove `liger_fsdp` for this model and "
+               f"report this line with your transformers version (llamafactory {versions.installed('llamafactory')})")
         subject = ("the fused loss is not the model's own" if check.loss_line else
                    f"the plugin's replacement of {check.what} does not give what LLaMA-Factory's own gives")
         raise LigerFsdpConfigError(
-            f"`liger_fsdp_guard`: on step {step} {subject} for model type `{family.model_type}` "
-            f"({type(causal_lm).__name__}), rank {rank()}: {text}. A quirk of this model or a change of LLaMA-Factory's "
+            f"`liger_fsdp_guard`: on step {step} {subject} for model type `{model_type}` "
+            f"({type(model).__name__}), rank {rank()}: {text}. A quirk of this model or a change of LLaMA-Factory's "
             f"method is not reproduced, so training would optimise another objective. {fix} "
             "(`liger_fsdp_guard: false` skips the check)."
         )
-    info_rank0(f"[liger_fsdp] guard: step {step} {'' if not piece.labelled else 'exact: '}{text}.")
-    return True
+    info_rank0(f"[liger_fsdp] guard: step {step} {'' if not labelled else 'exact: '}{text}.")
 
 
 def first_call(causal_lm, family, check: Check, batch: dict, labels: torch.Tensor, *, step: int | None,

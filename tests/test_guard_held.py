@@ -219,8 +219,8 @@ def test_a_text_rank_beside_a_rank_with_a_too_large_image_batch(monkeypatch, cap
     from llamafactory_liger_fsdp import guard
 
     honest = guard.all_max
-    monkeypatch.setattr(guard, "all_max", lambda values, device: [v if i != 2 else 1.0 for i, v in
-                                                                   enumerate(honest(values, device))])
+    monkeypatch.setattr(guard, "all_max", lambda values, group=None: [v if i != 2 else 1.0 for i, v in
+                                                                       enumerate(honest(values, group))])
     _, cand = twin("llama", "mts")
     engage(cand, backend="torch")
     cand(**make_batch())

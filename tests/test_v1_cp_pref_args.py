@@ -66,23 +66,3 @@ def test_doctor_line_names_rm_and_dpo(monkeypatch):
     assert "`llamafactory-cli dpo`: the policy's and the reference's per-token log-probs" in line, line
     monkeypatch.setattr(v1_cp_args, "has_v1_dpo", lambda: False)
     assert "`llamafactory-cli dpo`: not in the installed LLaMA-Factory" in v1_cp_args.doctor_line({**BASE, **CP[0]})
-
-
-def test_rm_guard_too_long_to_check_stops_only_with_untested_versions(monkeypatch, capsys):
-    """A micro-batch too long for the guard's unsplit side: one line with tested versions, a stop naming the guard key
-    with untested ones (nothing else vouches for the CP RM loss then)."""
-    import torch
-
-    from llamafactory_liger_fsdp import guard
-    from llamafactory_liger_fsdp.config import LigerFsdpConfigError
-    from llamafactory_liger_fsdp.integration.v1 import cp_rm
-
-    batch = {"input_ids": torch.zeros(1, cp_rm.UNSPLIT_TOKENS + 1, dtype=torch.long)}
-    monkeypatch.setattr(guard.versions, "untested", lambda *a, **k: ["transformers 9.0.0 (tested up to 5.8)"])
-    with pytest.raises(LigerFsdpConfigError) as err:
-        cp_rm.hold(None, None, None, batch)
-    assert "`liger_fsdp_guard`" in str(err.value) and "transformers 9.0.0" in str(err.value)
-    monkeypatch.setattr(guard.versions, "untested", lambda *a, **k: [])
-    cp_rm.hold(None, None, None, batch)
-    said = capsys.readouterr()
-    assert "guard: step 1 not checked: its micro-batch of" in said.err + said.out

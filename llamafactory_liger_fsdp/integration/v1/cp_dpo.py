@@ -12,17 +12,20 @@
   autograd (every CP rank holds the full loss; the gather's backward sums the copies), then LLaMA-Factory's DPO
   losses and metrics on the sums.
 
-On the first training call LLaMA-Factory's own ``DPOTrainer.compute_loss`` at cp_size 1 (its Ulysses attention
-switched off) is held against it on a slice of the micro-batch (:mod:`...guard`).
+On the first training call the guard holds LLaMA-Factory's own ``DPOTrainer.compute_loss`` against it on the same
+split forward (:mod:`...guard_split`): the method runs on stand-in models whose logits are the model's own head on
+this call's hidden states (policy and reference, gathered across the CP group; two columns whose cross-entropy is
+those log-probs and whose mean is the logits' mean), and the per-token log-probs the loss received are compared too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
+from types import SimpleNamespace
 from typing import Any
 
-from ... import _patch
 from ..._log import info_rank0
 from ...hooked import V1_DPO
 
@@ -42,7 +45,7 @@ def cp_logps(sp: Any):
     def logps_of(model: Any, inputs: dict, labels, sums: bool, step: int | None = None):
         from llamafactory.v1.accelerator.interface import Dim, DistributedInterface
 
-        from ... import forward
+        from ... import guard_split
         from .dpo import causal_lm_in
         from .ulysses import gather_grad, shifted_targets, without_full_mask
 
@@ -51,8 +54,7 @@ def cp_logps(sp: Any):
                                           DistributedInterface().get_device_mesh(Dim.CP))
         group = sp.get_ulysses_sequence_parallel_group()
         targets = shifted_targets(split.pop("labels"), group)
-        logps, sums_, vocab = forward.token_logps(model, causal_lm_in(model), split, targets, sums=sums, step=step,
-                                                  shifted=True)
+        logps, sums_, vocab = guard_split.token_logps(model, causal_lm_in(model), split, targets, sums=sums, step=step)
         logps = gather_grad(logps, group)[:, :length - 1]
         if sums_ is not None:
             sums_ = gather_grad(sums_, group)[:, :length]
@@ -61,39 +63,103 @@ def cp_logps(sp: Any):
     return logps_of
 
 
-def loss(sp: Any, trainer: Any, batch: dict):
-    """The DPO loss of ``batch`` under CP, held against LLaMA-Factory's own at cp_size 1 on the first call."""
-    from ... import engage, guard
-    from . import dpo
-    from .ulysses import ulysses_off
+class _StandIn:
+    """A model for LLaMA-Factory's own ``compute_loss``: returns the given logits whatever its inputs; with
+    ``reference``, PEFT's ``disable_adapter()`` too (LoRA as the reference model), under which it returns those."""
 
-    cls = type(trainer)
+    def __init__(self, logits, reference=None):
+        self.logits, self.reference, self.off = logits, reference, False
+        if reference is not None:
+            self.disable_adapter = self._disabled
+
+    @contextlib.contextmanager
+    def _disabled(self):
+        self.off = True
+        try:
+            yield
+        finally:
+            self.off = False
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        return SimpleNamespace(logits=self.reference if self.off else self.logits)
+
+
+def _whole(record, length: int, group):
+    """(the stand-in's logits ``[B, T, 2]``, the reference log-probs ``[B, T-1]``) of a probed record, whole rows."""
+    import torch.nn.functional as F
+
+    from ... import guard_split
+    from .ulysses import gather
+
+    logps = gather(record.reference, group)[:, :length - 1]
+    means = None if record.sums is None else gather(record.sums, group)[:, :length] / record.vocab
+    return guard_split.two_columns(F.pad(logps, (0, 1)), means), logps
+
+
+def own_loss(sp: Any, trainer: Any, batch: dict, records: list):
+    """LLaMA-Factory's own ``compute_loss`` (and ``_compute_ref_logps``) on stand-in models answering the probed
+    reference log-probs of the policy (the record with logit sums) and of the reference model; (loss, metrics, the
+    policy's and the reference's per-token log-probs)."""
+    from ... import guard_split
+
+    cls, length = type(trainer), batch["labels"].shape[-1]
+    group = sp.get_ulysses_sequence_parallel_group()
+    policy = [_whole(r, length, group) for r in records if r.sums is not None]
+    reference = [_whole(r, length, group) for r in records if r.sums is None]
+    if len(policy) != 1 or len(reference) > 1:
+        raise RuntimeError(f"the fused DPO loss made {len(policy)} policy and {len(reference)} reference log-probs "
+                           "calls")
+    ref_logits = reference[0][0] if reference else None
+    proxy = object.__new__(cls)
+    proxy.__dict__.update(trainer.__dict__)
+    lora = getattr(trainer, "ref_model", None) is None and trainer._use_lora_ref
+    proxy.model = _StandIn(policy[0][0], ref_logits if lora else None)
+    proxy.ref_model = None if lora or ref_logits is None else _StandIn(ref_logits)
     original = getattr(cls.compute_loss, "__wrapped__", cls.compute_loss)
     original_ref = getattr(cls._compute_ref_logps, "__wrapped__", cls._compute_ref_logps)
-    logps_of = cp_logps(sp)
+    proxy._compute_ref_logps = original_ref.__get__(proxy)
+    value = original(proxy, {**batch, "labels": guard_split.class_zero(batch["labels"])})
+    return value, dict(proxy._step_metrics), policy[0][1], reference[0][1] if reference else None
 
-    def theirs(b: dict):
-        trainer._compute_ref_logps = original_ref.__get__(trainer)
-        try:
-            with ulysses_off(sp) as found:
-                if not found:
-                    raise _patch.PatchError("LLaMA-Factory's Ulysses attention patch not found in transformers' "
-                                            "modules: the cp_size-1 side cannot run")
-                return original(trainer, b), dict(trainer._step_metrics)
-        finally:
-            del trainer._compute_ref_logps
 
-    def ours(b: dict):
-        return dpo.compute_loss(trainer, b, logps_of), dict(trainer._step_metrics)
+def loss(sp: Any, trainer: Any, batch: dict):
+    """The DPO loss of ``batch`` under CP, held against LLaMA-Factory's own on the same split forward on the first
+    training call."""
+    from ... import engage, forward, guard, guard_split
+    from ...losses import IGNORE_INDEX
+    from . import dpo
+
+    honest = cp_logps(sp)  # looked up when called (a test replaces it)
+
+    def run(probe):
+        received = []
+
+        def logps_of(*args: Any, **kwargs: Any):
+            out = honest(*args, **kwargs)
+            received.append(out)
+            return out
+
+        value = dpo.compute_loss(trainer, batch, logps_of)
+        ours = (value, dict(trainer._step_metrics))
+        theirs_value, theirs_metrics, policy, reference = own_loss(sp, trainer, batch, probe.records)
+        pairs = dpo.compare_outputs((theirs_value, theirs_metrics), ours)
+        mine = {("policy" if sums is not None else "reference"): logps for logps, sums, _ in received}
+        pairs["per-token log-probs (policy)"] = (policy, mine.get("policy"))
+        if reference is not None:
+            pairs["per-token log-probs (reference)"] = (reference, mine.get("reference"))
+        return value, pairs
 
     causal_lm = dpo.causal_lm_in(trainer.model)
-    ref = getattr(trainer, "ref_model", None)
-    models = (causal_lm,) if ref is None else (causal_lm, dpo.causal_lm_in(ref))
-    check = guard.Check("LLaMA-Factory's DPOTrainer.compute_loss at cp_size 1", theirs, ours, dpo.compare_outputs,
-                        models=models)
-    guard.first_call(causal_lm, engage.engaged(causal_lm).family, check, batch, batch["labels"],
-                     step=getattr(trainer, "global_step", None))
-    return dpo.compute_loss(trainer, batch, logps_of)
+    labels = batch["labels"]
+    check = guard_split.Split("LLaMA-Factory's DPOTrainer.compute_loss", run,
+                              lambda: dpo.compute_loss(trainer, batch, honest))
+    return guard_split.first_call(
+        forward.state_of(causal_lm), check, causal_lm, engage.engaged(causal_lm).family.model_type,
+        step=int(getattr(trainer, "global_step", 0) or 1),
+        problem=guard.vocab_problem(causal_lm, batch.get("input_ids"), labels, None, IGNORE_INDEX),
+        labelled=bool((labels != IGNORE_INDEX).any()),
+        where=f"the whole micro-batch ({labels.shape[0]} pair rows x {labels.shape[-1]}), each rank's shard of its "
+              "split forward")
 
 
 def patch(size: int) -> list:

@@ -15,26 +15,26 @@ by :func:`.engine.engage_v1` for a score-head model in an RM run, recorded on th
   transformers, not a document mask). v1's own padding to a multiple of cp_size must not change that: git main's
   Ulysses attention takes the mask path as soon as one shard has a padded position.
 
-On the first training call ``RMTrainer.compute_loss`` at cp_size 1 (LLaMA-Factory's Ulysses attention switched off,
-the whole micro-batch on every rank) is held against :func:`cp_loss` (``liger_fsdp_guard``).
+On the first training call (``liger_fsdp_guard``) the scores of that very split forward are gathered apart from the
+loss (no autograd) and ``RMTrainer.compute_loss`` runs on them, held against :func:`cp_loss` on every rank together
+(:mod:`...guard_split`): no unsplit side, so any micro-batch length is checked. Each run's guard state is its
+:class:`Seam`, on the model.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
 from types import SimpleNamespace
 from typing import Any
 
 from ... import _patch
-from ..._log import info_rank0, rank
-from ...config import LigerFsdpConfigError
+from ..._log import info_rank0
 from . import ulysses
 from .cp_args import RM_MODULE
 from .train import Captured, Recorder
 
-TAKEN = "_liger_fsdp_cp_rm"  # on the model's inner module: this model's RM loss is answered here
-UNSPLIT_TOKENS = 1 << 16  # the guard's cp_size-1 side runs the whole micro-batch on every rank: at most this many
+FIX = ("Fix: set `cp_size: 1` (`dist_config.cp_size` on LLaMA-Factory 0.9.5) and remove `liger_fsdp` from "
+       "`kernel_config.name`, and report this line with your LLaMA-Factory version")
 
 
 def rm_run() -> bool:
@@ -53,8 +53,9 @@ def _model_inputs(cls: type, batch: dict, device) -> dict:
     return recorder.kwargs
 
 
-def cp_loss(sp: Any, cls: type, model: Any, batch: dict):
-    """``RMTrainer.compute_loss`` of ``batch`` with each rank scoring its own shard of every row."""
+def cp_loss(sp: Any, cls: type, model: Any, batch: dict, keep: list | None = None):
+    """``RMTrainer.compute_loss`` of ``batch`` with each rank scoring its own shard of every row (``keep``: gets
+    this rank's scores of its shard and the gathered scores the loss read)."""
     import torch
     from llamafactory.v1.accelerator.interface import Dim, DistributedInterface
 
@@ -66,74 +67,63 @@ def cp_loss(sp: Any, cls: type, model: Any, batch: dict):
     split = sp.padding_and_split_data(ulysses.without_full_mask(tensors), interface.get_device_mesh(Dim.CP))
     outputs = model(**split, **{k: v for k, v in kwargs.items() if k not in tensors})
     scores = ulysses.gather_grad(outputs.logits, sp.get_ulysses_sequence_parallel_group())[:, :length]
+    if keep is not None:
+        keep += [outputs.logits, scores]
     gathered = SimpleNamespace(logits=scores)
     return cls.compute_loss(SimpleNamespace(device=device, model=lambda *a, **k: gathered), batch)
 
 
-def _stop(what: str, text: str) -> LigerFsdpConfigError:
-    return LigerFsdpConfigError(
-        f"`liger_fsdp_guard`: on the first step {what}, rank {rank()}: {text}. Training would optimise another "
-        "objective than LLaMA-Factory's RM trainer at cp_size 1. Fix: set `cp_size: 1` (`dist_config.cp_size` on "
-        "LLaMA-Factory 0.9.5) and remove `liger_fsdp` from `kernel_config.name`, and report this line with your "
-        "LLaMA-Factory version (`liger_fsdp_guard: false` skips the check).")
+def taken(model: Any) -> bool:
+    """Whether ``model``'s loss under CP is answered here (this run's :class:`Seam` is on it)."""
+    return isinstance(ulysses.seam_of(model), Seam)
 
 
-def hold(sp: Any, cls: type, model: Any, batch: dict) -> None:
-    """``RMTrainer.compute_loss`` at cp_size 1 against :func:`cp_loss` on the same micro-batch (every rank)."""
-    import torch
+class Seam:
+    """The CP loss of one score-head model in one run; ``guard``: the first-step check is still to run."""
 
-    from ... import guard
+    def __init__(self, cls: type, guard: bool):
+        self.cls, self.guard = cls, guard
 
-    what = "LLaMA-Factory's RMTrainer.compute_loss at cp_size 1"
-    tokens = int(batch["input_ids"].numel())
-    if tokens > UNSPLIT_TOKENS:
-        guard.unchecked(1, what, f"its micro-batch of {tokens} tokens is too long to run unsplit on one rank (at most "
-                                 f"{UNSPLIT_TOKENS})")  # stops the run where installed versions are untested
-        return
-    device = next(model.parameters()).device
-    rng = guard.Rng()
-    with torch.no_grad():
-        with ulysses.ulysses_off(sp) as found:
-            if not found:
-                raise _stop(f"{what} could not run", "LLaMA-Factory's Ulysses attention patch was not found in "
-                                                     "transformers' modules, so the unsplit side cannot be computed")
-            theirs = cls.compute_loss(SimpleNamespace(device=device, model=model), dict(batch))
-        rng.restore()
-        ours = cp_loss(sp, cls, model, dict(batch))
-        rng.restore()
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    rtol, atol = guard.bounds(dtype)
-    bad, _, a, f = guard.worst_element({"loss": (theirs, ours)}, rtol, atol)
-    (mismatch,) = guard.all_max([float(bad)], device)
-    text = f"{what}: loss {a:.7g}, with the scores gathered across the CP group {f:.7g} (|diff| {abs(f - a):.3g}, " \
-           f"bound {rtol * abs(a) + atol:.3g})"
-    if mismatch:
-        raise _stop("the plugin's sequence-parallel RM loss does not give what LLaMA-Factory's own gives",
-                    text if bad else f"this rank agreed ({text}); another rank did not (see its error)")
-    info_rank0(f"[liger_fsdp] guard: step 1 exact: {text}.")
+    def __call__(self, sp: Any, original: Any, model: Any, model_inputs: dict):
+        import torch
+        from llamafactory.v1.accelerator.interface import DistributedInterface
+
+        from ... import guard, guard_split
+
+        cls, device = self.cls, DistributedInterface().current_device
+
+        def run(probe):
+            kept: list = []
+            value = cp_loss(sp, cls, model, model_inputs, keep=kept)  # looked up when called (a test replaces it)
+            shard, received = kept
+            scores = ulysses.gather(shard.detach(), sp.get_ulysses_sequence_parallel_group())[:, :received.shape[1]]
+            gathered = SimpleNamespace(logits=scores)
+            theirs = cls.compute_loss(SimpleNamespace(device=device, model=lambda *a, **k: gathered),
+                                      dict(model_inputs))
+            return value, {"loss": (theirs, value), "scores": (scores, received)}
+
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        check = guard_split.Split("LLaMA-Factory's RMTrainer.compute_loss", run,
+                                  lambda: cp_loss(sp, cls, model, model_inputs), dtype=dtype,
+                                  precision="the scores of the same split forward, gathered apart from the loss",
+                                  fix=FIX, said_as="with the scores the plugin gathered")
+        ids = model_inputs["input_ids"]
+        return guard_split.first_call(
+            self, check, model, getattr(model.config, "model_type", type(model).__name__),
+            step=ulysses.trainer_step() or 1, problem=guard.vocab_problem(model, ids, None, None, -100),
+            labelled=True, where=f"the whole micro-batch ({ids.shape[0]} pair rows x {ids.shape[-1]}), each rank's "
+                                 "shard of its split forward")
 
 
 def patch(model: Any, cfg: Any) -> list:
     """Take v1's RM trainer under CP for ``model``: its refusal lifted, its loss answered at the CP seam."""
-    import torch
-
-    from ... import engage
     from . import cp_init
-    from .train import unwrapped
 
     size = ulysses.cp_size()
     rm = sys.modules[RM_MODULE]
     cls = rm.RMTrainer
     _patch.require_params(cls.compute_loss, ("self", "batch"), "RMTrainer.compute_loss")
-    sp = importlib.import_module(ulysses.SP_MODULE)
-    mapping, key, where = ulysses.slot(sp)
-    inner = engage.causal_lm_of(unwrapped(model))
-    inner.__dict__[TAKEN] = True
-    undo = [lambda: inner.__dict__.pop(TAKEN, None)]
-    state = {"guard": bool(getattr(cfg, "guard", True))}
-
-    def taken(m: Any) -> bool:
-        return bool(engage.causal_lm_of(unwrapped(m)).__dict__.get(TAKEN))
+    undo = ulysses.take(model, Seam(cls, bool(getattr(cfg, "guard", True))))
 
     def built(trainer: Any, model: Any) -> None:
         info_rank0(f"[liger_fsdp] v1 reward modelling under sequence parallelism (Ulysses, cp_size {size}): "
@@ -144,20 +134,4 @@ def patch(model: Any, cfg: Any) -> list:
 
     undo += cp_init.patch(cls, taken, built, "v1 RM under CP: RMTrainer.__init__ without its cp_size refusal for a "
                                              "model whose loss the plugin answers")
-    original = mapping[key]
-    if getattr(original, _patch.MARK, False):
-        return undo
-
-    def sequence_parallel_loss(model: Any, model_inputs: dict):
-        if not taken(model):
-            return original(model, model_inputs)
-        if state["guard"] and model.training and torch.is_grad_enabled():
-            state["guard"] = False
-            hold(sp, cls, model, model_inputs)
-        return cp_loss(sp, cls, model, model_inputs)  # looked up when called (a test replaces it)
-
-    setattr(sequence_parallel_loss, _patch.MARK, True)
-    _patch.put(mapping, key, sequence_parallel_loss, "v1 RM under CP: RMTrainer.compute_loss on scores gathered "
-               "across the CP group", where)
-    undo.append(lambda: _patch.undo(mapping, key))
     return undo

@@ -1,11 +1,13 @@
 """What the plugin's losses under v1's Ulysses sequence parallelism share (:mod:`.cp` for SFT, :mod:`.cp_dpo`,
-:mod:`.cp_rm`): the run's CP size, the slot of v1's registered ``sequence_parallel_loss``, a no-gradient gather along
-the sequence, and v1's Ulysses attention switched off (the guard's cp_size-1 side)."""
+:mod:`.cp_rm`): the run's CP size, v1's registered ``sequence_parallel_loss`` answered per model (:func:`take`: one
+shared replacement of the slot; each model's own seam object holds that run's state), gathers along the sequence, the
+globally shifted targets, the real step of the calling trainer, and v1's own loss called with its device by the group
+(:func:`rank_as_device`; it addresses ``cuda:{global rank}``)."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import importlib
 import sys
 from typing import Any
 
@@ -13,6 +15,7 @@ from ... import _patch
 
 SP_MODULE = "llamafactory.v1.plugins.model_plugins.parallelization.sequence_parallel"
 LOSS = "sequence_parallel_loss"
+SEAM = "_liger_fsdp_cp_seam"  # on a model's causal LM (or score model): the object answering its CP loss this run
 
 
 def cp_size() -> int:
@@ -78,18 +81,82 @@ def without_full_mask(inputs: dict) -> dict:
     return inputs
 
 
+def seam_of(model: Any):
+    """The seam object answering ``model``'s CP loss (None: v1's own loss)."""
+    from ... import engage
+    from .train import unwrapped
+
+    return engage.causal_lm_of(unwrapped(model)).__dict__.get(SEAM)
+
+
+def take(model: Any, seam: Any) -> list:
+    """Answer v1's ``sequence_parallel_loss`` for ``model`` by ``seam(sp, original, model, model_inputs)``; the
+    undo callables. The slot's replacement only dispatches (no state of its own): it is held by every model that
+    takes it and undone when the last one disengages; the seam object, this run's state, goes with its model."""
+    from ... import engage
+    from .train import unwrapped
+
+    inner = engage.causal_lm_of(unwrapped(model))
+    inner.__dict__[SEAM] = seam
+    engage.hold(model, "v1 sequence_parallel_loss", _take_slot)
+    return [lambda: inner.__dict__.pop(SEAM, None)]
+
+
+def _take_slot() -> list:
+    sp = importlib.import_module(SP_MODULE)
+    mapping, key, where = slot(sp)
+    original = mapping[key]
+    if getattr(original, _patch.MARK, False):  # in place (a run before this one in the process): it dispatches
+        return []
+    _patch.require_params(original, ("model", "model_inputs"), LOSS)
+
+    def sequence_parallel_loss(model: Any, model_inputs: dict):
+        seam = seam_of(model)
+        return original(model, model_inputs) if seam is None else seam(sp, original, model, model_inputs)
+
+    setattr(sequence_parallel_loss, _patch.MARK, True)
+    _patch.put(mapping, key, sequence_parallel_loss, "v1 sequence parallelism: the loss of a model the plugin takes "
+               "(SFT and DPO from the fused kernel, RM from the gathered scores)", where)
+    return [lambda: _patch.undo(mapping, key)]
+
+
+def trainer_step() -> int | None:
+    """The optimizer step of the v1 trainer whose ``fit`` called the CP seam (v1 hands the seam only the model and
+    the micro-batch): its ``global_step``, read from the calling frames (first calls only)."""
+    from llamafactory.v1.core.base_trainer import BaseTrainer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, BaseTrainer):
+            return int(owner.global_step)
+        frame = frame.f_back
+    return None
+
+
+class _GroupDevice:
+    """``torch.distributed`` as v1's sequence_parallel module sees it, except that ``get_rank()`` without a group
+    (which it uses only as the device to move the inputs to) is the process group's device."""
+
+    def __init__(self, dist: Any, device: Any):
+        self._dist, self._device = dist, device
+
+    def __getattr__(self, name: str):
+        return getattr(self._dist, name)
+
+    def get_rank(self, group=None):
+        return self._device if group is None else self._dist.get_rank(group)
+
+
 @contextlib.contextmanager
-def ulysses_off(sp: Any):
-    """transformers' ``_flash_attention_forward`` as it was before LLaMA-Factory's Ulysses patch, in every module it
-    replaced it in (a ``functools.partial`` of its ``new_flash_attn_forward``)."""
-    swapped = []
-    for module in list(sys.modules.values()):
-        fn = getattr(module, "_flash_attention_forward", None) if module is not None else None
-        if isinstance(fn, functools.partial) and fn.func is getattr(sp, "new_flash_attn_forward", None):
-            swapped.append((module, fn))
-            module._flash_attention_forward = fn.keywords["attn_fn"]
+def rank_as_device(sp: Any):
+    """For its duration v1's ``sequence_parallel_loss`` moves its inputs to the process group's device, not to
+    ``cuda:{global rank}`` (which does not exist on a second node)."""
+    from ... import guard
+
+    before = sp.dist
+    sp.dist = _GroupDevice(before, guard.collective_device())
     try:
-        yield bool(swapped)
+        yield
     finally:
-        for module, fn in swapped:
-            module._flash_attention_forward = fn
+        sp.dist = before
