@@ -7,6 +7,13 @@ run whose fused loss is 1% off. One JSON row per case; a table of the worst hone
 the bound.
 
     python bench/guard_bounds.py [--out bench/results/guard_bounds.json] [--names llama,gemma2]
+
+``--cp 1,2,4``: the same under LLaMA-Factory v1's Ulysses sequence parallelism instead, on CPU gloo ranks (one torchrun
+of cp ranks a size, ``testing/cpu_ulysses.py``'s stand-ins), through v1's own trainers: SFT and DPO (LoRA + trained
+head) and RM (full), fp32 and bf16, a micro-batch of 2 rows short (cut at 127 tokens) and long (about 1,500 tokens a
+row, 3,000 a micro-batch: 3x the 1,024 tokens taken as what one rank holds unsplit at this scale, 1/64 of a 65,536-token
+rank; cp > 1 only), the 1% error in the plugin's log-probs (RM: its loss). Its rows (``cp`` set) replace those of the same
+LLaMA-Factory version; the other rows are kept, and a run without ``--cp`` keeps the CP rows.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import time
 
 import torch
 
+import common
 from common import ROOT
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LINE = re.compile(r"model's own loss (\S+), fused loss (\S+) \(")
@@ -58,6 +66,111 @@ def one(name: str, head: str, dtype: torch.dtype, inject: float | None) -> dict:
     return row
 
 
+CP_DIFF = re.compile(r" (-?[\d.]+(?:e[-+]?\d+)?), (?:with|fused) .*?\|diff\| (\S+), bound ([\d.e+-]+)")
+CP_WORDS = {"short": 128, "long": 2048}  # cutoff_len + 1 (the rows are cut at it or end before it)
+CP_SHAPE = re.compile(r"\((\d+) (?:pair rows )?x (\d+)\)")
+
+
+def cp_runs(work: str, size: int, stages: list, dtypes: list) -> list:
+    """(row fields, command, v1 args) of every case at cp_size ``size`` (one rank a CP rank, data parallel 1)."""
+    from llamafactory_liger_fsdp.integration.v1 import cp_args
+
+    mdir, runs = common.tiny_assets(os.path.join(work, "assets")), []
+    src = json.load(open(os.path.join(mdir, "data", "tiny_pairs.json")))
+    for length, tokens in CP_WORDS.items():
+        n = tokens // 5  # words a side: ~2 tokens a word, chosen and rejected in one RM / DPO row
+        pairs = [{side: [{"role": "user", "content": r["instruction"]}, {"role": "assistant", "content": " ".join(
+            (r[side].split() * n)[:n])}] for side in ("chosen", "rejected")} for r in src[:8]]
+        sft = [{"instruction": r["instruction"], "input": "", "output": " ".join((r["chosen"].split() * n)[:2 * n])}
+               for r in src[:8]]
+        for name, rows, converter in (("pairs", pairs, "pair"), ("sft", sft, "alpaca")):
+            path = os.path.join(work, f"{name}_{length}")
+            json.dump(rows, open(path + ".json", "w"))
+            json.dump({"d": {"path": path + ".json", "source": "local", "converter": converter}}, open(path + ".yaml", "w"))
+        for stage in stages:
+            for dtype in dtypes:
+                for inject in (0.0, 0.01):
+                    if (size == 1 and (stage == "rm" or length == "long")):
+                        continue  # the plugin takes RM under CP only; a long micro-batch needs cp > 1
+                    out = os.path.join(work, f"cp{size}_{stage}_{dtype}_{length}_{inject}")
+                    cfg = dict(model=os.path.join(mdir, "model"), output_dir=out, micro_batch_size=2,
+                               global_batch_size=2, cutoff_len=tokens - 1, max_steps=1, bf16=dtype == "bfloat16",
+                               batching_workers=0, learning_rate=1e-3, kernel_config={"name": "liger_fsdp"},
+                               train_dataset=os.path.join(work, f"{'sft' if stage == 'sft' else 'pairs'}_{length}.yaml"),
+                               **(dict(cp_args.as_yaml(size), flash_attn="flash_attention_2") if size > 1 else
+                                  {"dist_config": {"name": "fsdp2"}}))
+                    if stage != "rm":
+                        cfg["peft_config"] = {"name": "lora", "r": 4, "lora_alpha": 8, "target_modules": "all",
+                                              "lora_dropout": 0.0, "modules_to_save": ["lm_head"]}
+                    runs.append(({"cp": size, "stage": stage, "dtype": dtype, "length": length, "injected": inject},
+                                 stage, cfg))
+    return runs
+
+
+def cp_worker(spec: str) -> None:
+    """Under torchrun: every case of ``spec`` one after another in this process (v1's Python API); rank 0 writes the
+    rows. The error is injected in :func:`forward.token_logps` (every fused log-prob, the policy's and reference's)
+    and in the RM seam's loss; the guard's numbers are read from its line or its stop."""
+    import torch.distributed as dist
+    from llamafactory.v1.accelerator.interface import DistributedInterface
+
+    from llamafactory_liger_fsdp import forward, guard
+    from llamafactory_liger_fsdp.config import LigerFsdpConfigError
+    from llamafactory_liger_fsdp.integration.v1 import cp_rm
+
+    cases, rows, said, factor = json.load(open(spec)), [], [], [1.0]
+    destroy, DistributedInterface.destroy = DistributedInterface.destroy, lambda self: None  # the last run's is kept
+    logps, rm_loss = forward.token_logps, cp_rm.cp_loss
+    forward.token_logps = lambda *a, **k: (lambda o: (o[0] * factor[0], *o[1:]))(logps(*a, **k))
+    cp_rm.cp_loss = lambda *a, **k: rm_loss(*a, **k) * factor[0]
+    guard.info_rank0 = said.append
+    for row, command, cfg in cases:
+        factor[0], stopped = 1.0 + row["injected"], False
+        said.clear()
+        module = __import__(f"llamafactory.v1.trainers.{command}_trainer", fromlist=["_"])
+        try:
+            getattr(module, f"run_{command}")(cfg)
+        except LigerFsdpConfigError as exc:
+            stopped = True
+            said.append(str(exc))
+        line = next((t for t in said if "guard" in t), "")
+        hit, shape = CP_DIFF.search(line), CP_SHAPE.search(line)
+        row.update(stopped=stopped, line=line[:600], tokens=int(shape[1]) * int(shape[2]) if shape else None)
+        if hit:
+            a, diff, bound = (float(x) for x in hit.groups())
+            row.update(diff=diff, bound=bound, rel_diff=diff / abs(a) if a else diff)
+        rows.append(row)
+    if dist.get_rank() == 0:
+        json.dump(rows, open(spec + ".rows", "w"))
+    destroy(DistributedInterface())
+
+
+def cp_main(args) -> None:
+    import llamafactory
+
+    work, rows, t0 = os.path.abspath(args.work), [], time.time()
+    os.makedirs(work, exist_ok=True)
+    env = {"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(
+        [common.shim("cpu_ulysses_shim"), common.shim("cpu_v1_shim"), os.environ.get("PYTHONPATH", "")])}
+    for size in map(int, args.cp.split(",")):
+        spec = os.path.join(work, f"cp{size}.json")
+        with open(spec, "w") as f:
+            json.dump(cp_runs(work, size, args.stages.split(","), args.dtypes.split(",")[:2]), f)
+        rc, log, _ = common.torchrun(size, [os.path.abspath(__file__), "--cp-worker", spec], env, 3600, spec + ".log")
+        if rc or not os.path.exists(spec + ".rows"):
+            raise SystemExit(f"cp {size}: rc {rc}\n{common.error_line(log)}\n{log[-3000:]}")
+        rows += [dict(r, llamafactory=llamafactory.__version__) for r in json.load(open(spec + ".rows"))]
+    kept = json.load(open(args.out)) if os.path.exists(args.out) else {"meta": {}, "rows": []}
+    kept["rows"] = [r for r in kept["rows"] if r.get("llamafactory") != llamafactory.__version__ or "cp" not in r] + rows
+    kept["meta"][f"cp {llamafactory.__version__}"] = {"torch": torch.__version__, "seconds": round(time.time() - t0)}
+    with open(args.out, "w") as f:
+        json.dump(kept, f, indent=1)
+    print("| LLaMA-Factory | cp | stage | dtype | micro-batch tokens | honest: stopped, |diff| / bound | 1% error stopped |")
+    print("|---|---|---|---|---|---|---|")
+    for h, e in zip(rows[::2], rows[1::2]):  # each case: honest, then the 1% error
+        print(f"| {h['llamafactory']} | {h['cp']} | {h['stage']} | {h['dtype']} | {h['tokens']} | {h['stopped']}, "
+              f"{h.get('diff')} / {h.get('bound')} | {e['stopped']} |")
+
 def main():
     from llamafactory_liger_fsdp.testing import ALL
 
@@ -66,7 +179,15 @@ def main():
     ap.add_argument("--names", default=",".join(ALL))
     ap.add_argument("--heads", default="mts,lora,full")
     ap.add_argument("--dtypes", default="float32,bfloat16,float16")
+    ap.add_argument("--cp", help="cp sizes, e.g. 1,2,4: the rows under v1's sequence parallelism instead")
+    ap.add_argument("--stages", default="sft,rm,dpo", help="with --cp (dpo: a v1 with a DPO trainer)")
+    ap.add_argument("--work", default="/tmp/guard_bounds_cp", help="with --cp: assets, yamls, runs, logs")
+    ap.add_argument("--cp-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.cp_worker:
+        return cp_worker(args.cp_worker)
+    if args.cp:
+        return cp_main(args)
     from llamafactory_liger_fsdp import _log
 
     _log.logger.setLevel("WARNING")
@@ -81,10 +202,12 @@ def main():
                         row = {"name": name, "head": head, "dtype": dtype, "injected": inject or 0.0,
                                "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
                     rows.append(row)
-    meta = {"torch": torch.__version__, "seconds": round(time.time() - t0, 1)}
+    old = json.load(open(args.out)) if os.path.exists(args.out) else {"meta": {}, "rows": []}
+    meta = {**{k: v for k, v in old["meta"].items() if k.startswith("cp ")}, "torch": torch.__version__,
+            "seconds": round(time.time() - t0, 1)}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        json.dump({"meta": meta, "rows": rows + [r for r in old["rows"] if "cp" in r]}, f, indent=1)
     print("| dtype | honest cases | worst rel diff (case) | bound (rel) | 1% injected: stopped / cases | errors |")
     print("|---|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
