@@ -174,10 +174,10 @@ def _patch_sequence_parallel(mod) -> None:
             cp, t = device_mesh["cp"], out["input_ids"].shape[-1]
             cut = [r * t for r in range(1, cp.size()) if r * t < ids.shape[-1]]
             across = int((labels[:, cut] != -100).sum()) if labels is not None and cut else 0
-            print(f"[cpu_ulysses] rank {cp.get_local_rank()} of cp {cp.size()}: input_ids {list(ids.shape)} -> "
-                  f"{list(out['input_ids'].shape)}, labelled targets across shard boundaries: {across} "
-                  f"(global rank {dist.get_rank()})",
-                  file=sys.stderr, flush=True)
+            sys.stderr.write(f"[cpu_ulysses] rank {cp.get_local_rank()} of cp {cp.size()}: input_ids "
+                             f"{list(ids.shape)} -> {list(out['input_ids'].shape)}, labelled targets across shard "
+                             f"boundaries: {across} (global rank {dist.get_rank()})\n")  # one write: ranks share a file
+            sys.stderr.flush()
         return out
 
     mod.padding_and_split_data = padding_and_split_data
