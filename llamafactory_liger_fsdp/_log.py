@@ -224,3 +224,9 @@ def one_message_per_run():
         if _in_a_rank():
             _install_hook(ranks=True)
         raise
+
+
+def one_line_hook(previous):
+    """The plugin's one-line ``sys.excepthook`` around ``previous``, for a hook that wraps it (the ranks' hand-over of
+    :mod:`.integration.stop`)."""
+    return _one_line_hook(previous)

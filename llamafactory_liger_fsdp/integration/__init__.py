@@ -16,8 +16,8 @@ LLaMA-Factory, always (:mod:`.llamafactory`, patched by the import hook right af
 accelerate's CLI, always (:mod:`.launch`): ``accelerate.commands.launch.launch_command`` -- ``accelerate launch``
 checks the training script's arguments the same way before it starts any process.
 
-torch, always (:mod:`.stop`): ``torch.distributed.run.run`` -- a bare ``torchrun`` checks them too, and every
-launching process prints a refusal or guard stop of its ranks last (the ranks hand it over, :func:`.stop.install_in_rank`
+torch, always (:mod:`.launch`): ``torch.distributed.run.run`` -- a bare ``torchrun`` checks them too, and every
+launching process prints a refusal or guard stop of its ranks last (:mod:`.stop`) (the ranks hand it over, :func:`.stop.install_in_rank`
 when the parser loads).
 
 Nothing here may break the import of the module it hooks: any exception while hooking one (not only
@@ -90,7 +90,7 @@ def on_module_loaded(name: str, module: Any) -> None:
         patchers = {PARSER: llamafactory.patch_parser, LOADER: llamafactory.patch_loader,
                     LAUNCHER: launch.patch_launcher, V1_LAUNCHER: v1.patch_v1_launcher,
                     V1_PARSER: v1.patch_v1_parser, V1_KERNELS: v1.patch_v1_kernels,
-                    ACCELERATE_LAUNCH: launch.patch_accelerate_launch, TORCHRUN: stop.patch_torchrun}
+                    ACCELERATE_LAUNCH: launch.patch_accelerate_launch, TORCHRUN: launch.patch_torchrun}
         patchers[name](module)
         if name in (PARSER, V1_PARSER):  # a LLaMA-Factory run in this process: a rank hands its stop over
             stop.install_in_rank()

@@ -3,6 +3,8 @@ one message printed once and last (exit 1); the ranks check again after parsing 
 there is one message from rank 0, not a traceback per rank (:func:`.._log.one_message_per_run`).
 
 * ``llamafactory.launcher.launch`` -- ``llamafactory-cli train <yaml|json|--key value ...>`` (hooked module).
+* ``torch.distributed.run.run`` -- a bare ``torchrun`` (and ``accelerate launch``'s multi-process launch): the same
+  check of the training script's arguments where no outer launcher made it (:func:`patch_torchrun`).
 * ``accelerate.commands.launch.launch_command`` -- ``accelerate launch ... -m llamafactory.launcher <args>`` (hooked
   module; the ``.pth`` hook runs in the ``accelerate`` CLI too): the training script's arguments are checked when
   they carry a ``liger_fsdp`` key; a v1 command (``-m llamafactory.v1.launcher sft <yaml>``, or LLaMA-Factory's CLI
@@ -144,3 +146,27 @@ def patch_accelerate_launch(launch_module: Any) -> None:
 
     _patch.apply(launch_module, "launch_command", make,
                  "accelerate launch: refuse what the training arguments alone decide before any rank starts")
+
+
+def patch_torchrun(run_module: Any) -> None:
+    """``torch.distributed.run.run`` (``torchrun``, and ``accelerate launch``'s multi-process launcher): the
+    training script's arguments checked first where no outer launcher did, the ranks' stops printed last."""
+    _patch.require_params(run_module.run, ("args",), "torchrun run")
+
+    def make(original):
+        def run(args):
+            if os.environ.get(stop.ENV):  # started by a launcher that checked the arguments and prints the stops
+                return stop.run_collecting(original, args)
+            _log.new_run()
+            try:
+                precheck_script(str(getattr(args, "training_script", "") or ""),
+                                list(getattr(args, "training_script_args", None) or []))
+            except LigerFsdpConfigError as exc:
+                refused(exc)
+            with _log.handed_on():
+                return stop.run_collecting(original, args)
+
+        return run
+
+    _patch.apply(run_module, "run", make, "torchrun: refuse what the arguments alone decide before any rank starts; "
+                                          "the ranks' stops printed last")

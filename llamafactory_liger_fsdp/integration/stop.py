@@ -3,7 +3,7 @@ ranks is handed to the launching process, which prints it after its ranks ended 
 summary, instead of a ChildFailedError / "Root Cause" block or a CalledProcessError traceback.
 
 * The outermost plugin-aware launching process (``llamafactory-cli``'s launcher, ``accelerate launch``, a bare
-  ``torchrun``: :func:`patch_torchrun`) makes a directory for the launch and names it to its ranks in
+  ``torchrun``: :func:`.launch.patch_torchrun`) makes a directory for the launch and names it to its ranks in
   :data:`ENV` (:func:`collecting`); a launcher nested inside another (torchrun started by ``llamafactory-cli``)
   leaves the printing to the outer one.
 * A rank whose launcher collects ends on the plugin's error (:class:`.config.LigerFsdpConfigError` -- a refusal, a
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from typing import Any
 
-from .. import _log, _patch
+from .. import _log
 
 ENV = "LLAMAFACTORY_LIGER_FSDP_STOP_DIR"
 MOST = 8  # distinct messages printed (a guard stop differs per rank only by its numbers)
@@ -36,8 +36,7 @@ def _errors() -> tuple[type, ...]:
 
 def _text(message: str) -> str:
     """``[liger_fsdp] error: <message>`` as the process that ends on it prints it (:func:`.._log.error_text`)."""
-    make = getattr(_log, "error_text", None)
-    return make(message) if make is not None else f"[liger_fsdp] error: {message}"
+    return _log.error_text(message)
 
 
 # --------------------------------------------------------------------------- the launching process
@@ -109,8 +108,7 @@ class _RankHook:
     liger_fsdp = True  # the plugin's hook: :mod:`.._log` does not put another around it
 
     def __init__(self, previous):
-        make = getattr(_log, "_one_line_hook", None)
-        self.inner = previous if getattr(previous, "liger_fsdp", False) or make is None else make(previous)
+        self.inner = previous if getattr(previous, "liger_fsdp", False) else _log.one_line_hook(previous)
 
     @property
     def ranks(self) -> bool:
@@ -152,39 +150,3 @@ def install_in_rank() -> None:
     quietly, handed over. Once a process."""
     if os.environ.get(ENV) and _rank_id() is not None and not isinstance(sys.excepthook, _RankHook):
         sys.excepthook = _RankHook(sys.excepthook)
-
-
-# --------------------------------------------------------------------------- torchrun
-def _precheck(args: Any) -> None:
-    """A bare torchrun of LLaMA-Factory's launcher: what its arguments alone decide, refused before any rank starts
-    (as ``accelerate launch``, :func:`.launch.patch_accelerate_launch`)."""
-    from .launch import precheck_script
-
-    script = str(getattr(args, "training_script", "") or "")
-    precheck_script(script, list(getattr(args, "training_script_args", None) or []))
-
-
-def patch_torchrun(run_module: Any) -> None:
-    """``torch.distributed.run.run`` (``torchrun``, and ``accelerate launch``'s multi-process launcher): the
-    training arguments checked first where no outer launcher did, the ranks' stops printed last."""
-    _patch.require_params(run_module.run, ("args",), "torchrun run")
-
-    def make(original):
-        def run(args):
-            if os.environ.get(ENV):  # started by a launcher that checked the arguments and prints the stops
-                return run_collecting(original, args)
-            from ..config import LigerFsdpConfigError
-            from .common import refused
-
-            _log.new_run()
-            try:
-                _precheck(args)
-            except LigerFsdpConfigError as exc:
-                refused(exc)
-            with _log.handed_on():
-                return run_collecting(original, args)
-
-        return run
-
-    _patch.apply(run_module, "run", make, "torchrun: refuse what the arguments alone decide before any rank starts; "
-                                          "the ranks' stops printed last")

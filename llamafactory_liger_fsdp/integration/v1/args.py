@@ -12,7 +12,6 @@ one reader). The launching process reads the raw yaml
 from __future__ import annotations
 
 import dataclasses
-import json
 from types import SimpleNamespace
 from typing import Any, Mapping
 
@@ -20,7 +19,7 @@ from ... import config, sharding, versions
 from ...args import read_args
 from ...config import LigerFsdpConfigError
 from . import cp_args
-from .cp_args import KEY, NAME, REMOVE  # noqa: F401  (REMOVE: the fix that trains without the plugin)
+from .cp_args import KEY, NAME, REMOVE, plugin_config  # noqa: F401  (REMOVE: the fix that trains without the plugin)
 
 
 def read_raw(argv: list[str]) -> dict | None:
@@ -28,13 +27,6 @@ def read_raw(argv: list[str]) -> dict | None:
     other forms (argv flags), which only the ranks check."""
     raw = read_args(argv)
     return raw if isinstance(raw, dict) and argv and argv[0].endswith((".yaml", ".yml", ".json")) else None
-
-
-def plugin_config(value: Any) -> dict:
-    """A v1 ``*_config`` value as a dict (v1 also takes a JSON string)."""
-    if isinstance(value, str) and value.strip().startswith("{"):
-        value = json.loads(value)
-    return dict(value) if isinstance(value, Mapping) else {}
 
 
 def names(kernel_config: Any) -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import json
 import sys
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -45,10 +46,15 @@ def spelling() -> str:
         return TOP if found is not None and versions.at_least(found, "0.9.6.dev0") else DIST
 
 
-def dist(values: Mapping) -> dict:
-    """``dist_config`` as a dict (v1 also takes a JSON string)."""
-    from .args import plugin_config
+def plugin_config(value: Any) -> dict:
+    """A v1 ``*_config`` value as a dict (v1 also takes a JSON string)."""
+    if isinstance(value, str) and value.strip().startswith("{"):
+        value = json.loads(value)
+    return dict(value) if isinstance(value, Mapping) else {}
 
+
+def dist(values: Mapping) -> dict:
+    """``dist_config`` as a dict."""
     return plugin_config(values.get("dist_config"))
 
 
