@@ -10,14 +10,14 @@ positions, which restart at the rejected part): per-step losses and the trained 
 model within 1e-5 and each tensor within 1e-4 (AdamW, as in test_v1_cp.py), except the score's bias, whose gradient
 is zero. Each CP run shows that every rank
 received half of every pair row, that the model was sharded over both ranks, and that the guard held
-``RMTrainer.compute_loss`` at cp_size 1 against the plugin's loss; a 1% error injected into that loss is stopped at
-step 1 on every rank.
+``RMTrainer.compute_loss`` on the same split forward's scores against the plugin's loss; a 1% error injected into
+that loss is stopped at step 1 on every rank.
 
 DPO (git main only; 0.9.5's v1 has no DPO trainer): sigmoid (LoRA as the reference) and ORPO with LD-DPO and
 ``pref_ftx``, LoRA + ``modules_to_save: [lm_head]``, 2 rows a micro-batch: cp_size 2 with the plugin against cp_size 1 with the plugin (itself held against
 LLaMA-Factory's own at cp_size 1 by test_v1_dist.py): losses, the trained head and the adapter within 1e-5 (each
-tensor within 1e-4), split as above, the guard holding LLaMA-Factory's own DPOTrainer.compute_loss at cp_size 1
-against the CP loss; a 1% error injected into the CP log-probs is stopped at step 1 on every rank.
+tensor within 1e-4), split as above, the guard holding LLaMA-Factory's own DPOTrainer.compute_loss on the same
+split forward against the CP loss; a 1% error injected into the CP log-probs is stopped at step 1 on every rank.
 """
 
 import re
