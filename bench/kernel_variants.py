@@ -12,9 +12,8 @@ import argparse
 import json
 import time
 
-import torch
-
 import bench_flce as bf
+import torch
 from common import card_key, dump_json
 
 BIG = 1 << 30
@@ -82,7 +81,7 @@ def phases(shape, c=3072):
         try:
             row["ms"] = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
             row["tflops"] = row["flops_gemm"] / row["ms"] / 1e9
-        except Exception as exc:  # a variant that fails is reported, not hidden
+        except Exception as exc:  # noqa: BLE001 -- a variant that fails is reported, not hidden
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         if tf._failed:  # the fused kernel did not compile: its time is nothing's
             row["error"] = tf._failed[0]
@@ -98,8 +97,6 @@ def phases(shape, c=3072):
     rows.append({"phase": "fused_dz_vs_cublas_pass", "shape": [c, hd, v], "ran": ok,
                  "max_abs_diff": float((dz16.float() - ref.float()).abs().max()), "failed": list(tf._failed)})
     print(json.dumps(rows[-1]), flush=True)
-    del h, w, y, z, dz16, dh, acc
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -112,8 +109,8 @@ def check_fused(args, meta, rows, out, t0):
         checks = []
         bf.check(checks, args.check_out.replace("{card}", card_key(meta["card"])))
         rows.append({"check_rules": triton_fused.RULES, "n_checks": len(checks),
-                     "worst_x_floor": max((max(c["err_dx"] / c["floor_dx"], c["err_dw"] / c["floor_dw"])
-                                           for c in checks if "err_dx" in c and c.get("floor_dx") and c["backend"] != "torch"
+                     "worst_x_floor": max((max(c["err_dx"] / c["floor_dx"], c["err_dw"] / c["floor_dw"]) for c in checks
+                                           if "err_dx" in c and c.get("floor_dx") and c["backend"] != "torch"
                                            and c["dtype"] != "float32"), default=None),
                      "errors": [c for c in checks if "error" in c][:3]})
         print("check summary", json.dumps(rows[-1]), flush=True)
@@ -140,6 +137,7 @@ def main():
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
     for shape in shapes:
         rows += phases(shape)
+        torch.cuda.empty_cache()
         dump_json(out, rows)
     real_make_impl = bf.make_impl
     for ignore in (0.25, "check", 0.0, 0.5):

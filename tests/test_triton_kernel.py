@@ -416,8 +416,7 @@ def fused(monkeypatch):
     return ctl
 
 
-@pytest.mark.parametrize("softcap,eps", [(None, 0.0), (2.5, 0.1)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype,softcap,eps", [(torch.bfloat16, None, 0.0), (torch.float16, 2.5, 0.1)])
 def test_fused_gemm_matches_cublas_and_the_passes(fused, dtype, softcap, eps):
     """Its z equals the fp32 GEMM of the 16-bit operands, its statistics the pass's over that z (with or without z
     stored), its dz bitwise the dz pass's (V = 1000: ragged last column tile; 45 rows: ragged last row tile)."""
@@ -441,12 +440,20 @@ def test_fused_gemm_matches_cublas_and_the_passes(fused, dtype, softcap, eps):
     assert torch.equal(dz, ref_dz)
 
 
-@pytest.mark.parametrize("path", ["stats", "recompute", "lean"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", ["mean", "sum", "smooth", "softcap", "none"])
-def test_fused_paths_at_the_rounding_floor(fused, path, dtype, case):
-    """Each path through the fused GEMM (several chunks / tiles): dX, dW within 5% of rounding the float64 gradient
-    and below plain torch's, the loss at fp32; the fused kernel really ran."""
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+@pytest.mark.parametrize("path,dtype,case", [
+    ("lean", BF16, "mean"), ("lean", FP16, "sum"), ("lean", BF16, "smooth"), ("lean", FP16, "softcap"),
+    ("lean", BF16, "none"), ("recompute", BF16, "mean"), ("recompute", FP16, "softcap"), ("stats", BF16, "smooth"),
+])
+def test_fused_paths_at_the_rounding_floor(monkeypatch, fused, path, dtype, case):
+    """Each path through the fused GEMM (several chunks / tiles; the lean path as shipped, the fast path's two modes
+    kept off by RULES): dX, dW within 5% of rounding the float64 gradient and below plain torch's, the loss at fp32;
+    the fused kernel really ran."""
+    from llamafactory_liger_fsdp.ops import triton_fused
+
+    monkeypatch.setattr(triton_fused, "CONFIG", (64, 128, 32, 1, 1, 2, False))  # 2 row, 8 column, 2 K tiles
     fused.set(None if path == "lean" else path, path == "lean")
     g = torch.rand(96, generator=torch.Generator().manual_seed(0)) * 3 + 0.1 if case == "none" else None
     kw = {"reduction": "mean" if case in ("smooth", "softcap") else case, "grad_rows": g,
@@ -488,6 +495,10 @@ def test_fused_used_only_where_it_runs(monkeypatch):
 
     h, w, _ = inputs(16, 64, 1000, torch.bfloat16)
     h, w = h.detach(), w.detach()
+    with monkeypatch.context() as m:  # as shipped: the lean path up to H 4096, the fast path never
+        m.setattr(triton_fused, "FORCE", True)
+        wide = torch.zeros(8, 8192, dtype=torch.bfloat16)
+        assert triton_fused.mode_for(h, w) == (None, True) and triton_fused.mode_for(wide, wide) == (None, False)
     monkeypatch.setattr(triton_fused, "RULES", [(4096, "recompute", True)])
     assert not triton_fused.usable(h, w) and triton_fused.mode_for(h, w) == (None, False)
     monkeypatch.setattr(triton_fused, "FORCE", True)

@@ -14,7 +14,9 @@ ever multiplied: at 25% ignored labels the ``8 N_v H V`` flops of the lean path 
   :func:`.triton_kernels.launch_dz` writes ``dz = softmax - eps/V`` in the input dtype, ``dh_acc += dz @ W_s``
   and ``dW_s += dz^T @ h_r`` in fp32, and :class:`.triton_common.Targets` adds the target term. Memory:
   ``4 N_v H`` (dh accumulator) + ``6 R v_s`` (fp32 logits + bf16 dz) + ``4 v_s H`` (dW slab) + gathered rows;
-  tiles are chosen from ``mem_budget`` by :func:`.triton_lean.plan_tiles`.
+  tiles are chosen from ``mem_budget`` by :func:`.triton_lean.plan_tiles`. On Hopper at H <= 4096 both GEMMs that
+  form logits are :mod:`.triton_fused`'s: the forward's keeps only the statistics, the backward's writes dz (no fp32
+  tile; the same kernel and tiles, so the same logits).
 * **Fast** (``triton_fast``, :mod:`.triton_fast`): gradients computed in forward for chunks of ``c`` rows x all of
   V (``6 N_v H V``); ``dh`` [N_v, H] and ``dW`` [V, H] kept in fp32 until backward multiplies
   them by ``grad_output`` and rounds once. One ``[c, V]`` fp32 buffer per call: the chunk's logits,

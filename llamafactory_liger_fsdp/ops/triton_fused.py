@@ -8,9 +8,11 @@ fp32 unless asked. One persistent Triton kernel, three epilogues:
   :func:`.triton_kernels._dz_values` forms it (no fp32 ``z`` written or read).
 
 Why (bench/RESULTS.md section 1): at small H the loss is bound by the bytes moved per logit outside the GEMMs (~18:
-fp32 z written, read by the statistics, read by the dz pass, 16-bit dz written and read twice), as long as the
-GEMMs' 6H flops at H 896. Recomputing z (2H flops) is cheaper than moving it there; at H 4096 it is not, and cuBLAS
-stays (:func:`mode_for`). Forward and backward run this same kernel and tile shape, so their logits are bitwise equal.
+fp32 z written, read by the statistics, read by the dz pass, 16-bit dz written and read twice), as long as the GEMMs'
+6H flops at H 896. The lean path, which computes the logits twice anyway, writes and reads no fp32 logits with it; the
+fast path keeps cuBLAS (Triton 3.6's GEMM with the statistics epilogue runs at 470-660 TFLOP/s on H100 against
+cuBLAS's 600-780, and recomputing the logits for dz costs more than the dz pass it saves): :func:`mode_for`. Forward
+and backward run this same kernel and tile shape, so their logits are bitwise equal.
 
 Used on CUDA compute capability 9 with 16-bit operands and 16-byte aligned rows (:func:`usable`); a compile failure
 is logged once and the callers keep cuBLAS and the passes. ``FORCE`` (tests) runs it anywhere, the CPU interpreter
@@ -31,8 +33,9 @@ FORCE = False  # tests: run it wherever it can (the CPU interpreter too)
 CONFIG = (128, 256, 64, 3, 8, 8, True)
 # Which paths use it, by hidden size: (fast-path mode, lean) for H <= each bound; above all bounds cuBLAS.
 # "recompute": stats GEMM then dz GEMM (8 N_v H V flops, no fp32 logits); "stats": statistics in the epilogue of the
-# stored-z GEMM. bench/RESULTS.md section 1 (h100_kernel4.json) chose them.
-RULES: list[tuple[int, str | None, bool]] = []
+# stored-z GEMM. H100 (bench/RESULTS.md section 1, h100_kernel4_variants2.json): the lean path 4-16% faster with it at
+# H 896-4096 (0/25/50% ignored), both fast-path modes slower (7-24%, 4-10%): lean only, up to the largest H measured.
+RULES: list[tuple[int, str | None, bool]] = [(4096, None, True)]
 STATS_ROWS = 4096  # rows of one statistics-only launch of the lean forward (its partials: 64 MiB at V 262144)
 RECOMPUTE_ROWS_X = 2  # "recompute" keeps a 16-bit [c, V] dz, not fp32 logits: this many times the fast path's rows
 _failed: list[str] = []
