@@ -24,9 +24,10 @@ def note(causal_lm: nn.Module, clause) -> list:
     return [lambda: causal_lm.__dict__.pop(NOTES, None)]
 
 
-def first_step(causal_lm: nn.Module, seam: HeadLoss, config: LigerFsdpConfig):
-    """Log the engaged line; return the memory report's kernel wrapper when it was asked for (else None)."""
-    info_rank0(engaged_line(causal_lm, seam, config))
+def first_step(causal_lm: nn.Module, seam: HeadLoss, config: LigerFsdpConfig, device: torch.device | None = None):
+    """Log the engaged line; return the memory report's kernel wrapper when it was asked for (else None).
+    ``device``: where the first step's inputs are, which is where the kernel runs."""
+    info_rank0(engaged_line(causal_lm, seam, config, device))
     if config.memory_report and rank() == 0:
         from .diagnostics import MemoryReport
 
@@ -46,14 +47,18 @@ def sharding_label(decided, seen: str | None) -> str:
     return seen or decided.label
 
 
-def engaged_line(causal_lm: nn.Module, seam: HeadLoss, config: LigerFsdpConfig) -> str:
+def engaged_line(causal_lm: nn.Module, seam: HeadLoss, config: LigerFsdpConfig,
+                 device: torch.device | None = None) -> str:
     head = seam.head
     found = list({id(u): u for p in head.weight_paths for u in gather.units(causal_lm, p)}.values())
     seen = sharding.observed(causal_lm)
     label = sharding_label(config.sharding, seen)
-    # the kernel's device, without reading `.weight` (gather.param); a flat FSDP1 head has no parameter of its own
-    first = next(itertools.chain(causal_lm.get_output_embeddings().parameters(), causal_lm.parameters()), None)
-    backend = resolve_backend(config.backend, first.device if first is not None else torch.device("cpu"))
+    # the kernel's device: the inputs' (a parameter's is the CPU under offload), else without reading `.weight`
+    # (gather.param; a flat FSDP1 head has no parameter of its own)
+    if device is None:
+        first = next(itertools.chain(causal_lm.get_output_embeddings().parameters(), causal_lm.parameters()), None)
+        device = first.device if first is not None else torch.device("cpu")
+    backend = resolve_backend(config.backend, device)
     if found:
         names = ", ".join(gather.unit_names(causal_lm, found))
         if any(thirdparty.is_fsdp1(u) or thirdparty.is_fsdp2(u) for u in found):

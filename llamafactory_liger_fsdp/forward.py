@@ -74,10 +74,14 @@ class FusedForward:
         params = dict(self.signature.bind_partial(*args, **kwargs).arguments)
         return params, dict(params.pop(self.var_kw, {}) if self.var_kw else {})
 
-    def first_step(self):
-        """Count a training forward; the first one logs the engaged line (and returns the memory report's wrapper)."""
+    def first_step(self, params: dict):
+        """Count a training forward; the first one logs the engaged line (and returns the memory report's wrapper).
+        The kernel runs where the inputs are (under parameter offload the weights sit on the CPU between calls)."""
         self.state.steps += 1
-        return announce.first_step(self.causal_lm, self.seam, self.state.config) if self.state.steps == 1 else None
+        if self.state.steps != 1:
+            return None
+        device = next((v.device for v in params.values() if torch.is_tensor(v)), None)
+        return announce.first_step(self.causal_lm, self.seam, self.state.config, device)
 
     def decoder(self, params: dict, extra: dict):
         return getattr(self.causal_lm, self.decoder_attr)(**params, **extra)
@@ -101,7 +105,7 @@ class FusedForward:
         for key in ("labels", "logits_to_keep", "output_router_logits"):
             params.pop(key, None)
         if self.state.steps == 0:  # the memory report waits for the first call with gradients (not a guard's side,
-            self.seam.report = self.first_step()  # not a reference pass): HeadLoss.token_logps takes it then
+            self.seam.report = self.first_step(params)  # not a reference pass): HeadLoss.token_logps takes it then
         hidden = self.decoder(params, extra).last_hidden_state
         token_logps, sums = self.seam.token_logps(hidden, request.labels, sums=request.sums, shifted=request.shifted)
         return fp32_limbs.pack(token_logps, sums, self.seam.vocab_size)
@@ -155,7 +159,7 @@ class FusedForward:
         logits_to_keep = params.pop("logits_to_keep", 0)
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             raise ValueError("liger_fsdp: `logits_to_keep` must be 0 when training with labels")
-        memory_report = self.first_step()
+        memory_report = self.first_step(params)
         if self.state.guard:
             self._guard(params, extra, labels)
         self.seam.report = memory_report  # the real step's kernel call, not the guard's

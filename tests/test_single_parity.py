@@ -189,3 +189,17 @@ def test_disengage_restores_forward():
     disengage(cand)
     assert "forward" not in cand.__dict__ and engaged(cand) is None
     assert cand(**make_batch()).logits is not None
+
+
+def test_engaged_line_names_the_backend_of_the_inputs_device():
+    """Under parameter offload the weights sit on the CPU between calls while the kernel runs where the inputs are:
+    the engaged line's backend follows the inputs (H100, v1 offload_params: it said `torch` for a `triton_fast` run)."""
+    from llamafactory_liger_fsdp.announce import engaged_line
+
+    _, cand = twin("llama", "full")
+    done = engage(cand, config=LigerFsdpConfig(enabled=True))
+    try:
+        assert "backend=torch" in engaged_line(cand, done.seam, done.config)
+        assert "backend=triton_fast" in engaged_line(cand, done.seam, done.config, torch.device("cuda"))
+    finally:
+        disengage(cand)
