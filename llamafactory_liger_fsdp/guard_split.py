@@ -207,13 +207,15 @@ def token_logps(model, causal_lm, inputs: dict, targets: torch.Tensor, *, sums: 
     return out
 
 
-def first_call(state: Any, check: Split, model, model_type: str, *, step: int, problem: str | None,
-               labelled: bool, where: str) -> Any:
+def first_call(state: Any, check: Split, model, model_type: str, facts: Callable[[], dict]) -> Any:
     """The real call of a function replaced under CP; on the first training call with gradients while the guard is
-    on (``state.guard``), with the probe recording and the two sides compared on every rank together."""
+    on (``state.guard``), with the probe recording and the two sides compared on every rank together. ``facts()``
+    (read only then): ``step`` (the run's), ``problem`` (a data error or None), ``labelled``, ``where``."""
     if state is None or not getattr(state, "guard", False) or not (model.training and torch.is_grad_enabled()):
         return check.plain()
     state.guard = False
+    told = facts()
+    step, problem, labelled, where = told["step"], told["problem"], told["labelled"], told["where"]
     data_rank, any_labels = guard.all_max([rank() + 1 if problem else 0, 1 if labelled else 0])
     if not guard.data_checked(problem, data_rank, any_labels, step):
         state.guard = True  # no rank has a labelled position: the next call checks

@@ -76,7 +76,7 @@ class _State:
 @pytest.mark.parametrize("factor", [1.0, 1.01])
 def test_first_call_decides_on_the_runs_step(factor, capsys):
     model, state, seen = torch.nn.Linear(2, 2).train(), _State(), []
-    kwargs = dict(step=7, problem=None, labelled=True, where="the whole micro-batch")
+    kwargs = dict(facts=lambda: dict(step=7, problem=None, labelled=True, where="the whole micro-batch"))
     if factor == 1.0:
         assert float(guard_split.first_call(state, _split(factor, seen), model, "llama", **kwargs)) == 2.0
         assert "[liger_fsdp] guard: step 7 exact: LLaMA-Factory's sequence_parallel_loss: loss 2" in \
@@ -93,11 +93,12 @@ def test_first_call_decides_on_the_runs_step(factor, capsys):
 
 def test_no_labels_anywhere_defers_and_a_data_error_stops():
     model, state, seen = torch.nn.Linear(2, 2).train(), _State(), []
-    guard_split.first_call(state, _split(1.0, seen), model, "llama", step=1, problem=None, labelled=False, where="")
+    guard_split.first_call(state, _split(1.0, seen), model, "llama",
+                           lambda: dict(step=1, problem=None, labelled=False, where=""))
     assert state.guard and not seen  # checked on a later call
     with pytest.raises(Exception, match="`resize_vocab`: step 2"):
-        guard_split.first_call(state, _split(1.0, seen), model, "llama", step=2, problem="token id 9 in input_ids",
-                               labelled=True, where="")
+        guard_split.first_call(state, _split(1.0, seen), model, "llama",
+                               lambda: dict(step=2, problem="token id 9 in input_ids", labelled=True, where=""))
 
 
 def test_collectives_run_on_the_groups_device(monkeypatch):

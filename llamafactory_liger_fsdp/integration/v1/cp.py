@@ -93,13 +93,16 @@ class Seam:
         check = guard_split.Split("LLaMA-Factory's sequence_parallel_loss", run,
                                   lambda: fused_sequence_parallel_loss(sp, model, model_inputs))
         state = forward.state_of(causal_lm)
-        step = trainer_step() or (1 if state is None else state.start_step + 1 + state.steps // state.grad_accum)
-        return guard_split.first_call(
-            state, check, causal_lm, engage.engaged(causal_lm).family.model_type, step=step,
-            problem=guard.vocab_problem(causal_lm, model_inputs.get("input_ids"), labels, None, IGNORE_INDEX),
-            labelled=bool((labels != IGNORE_INDEX).any()),
-            where=f"the whole micro-batch ({labels.shape[0]} x {labels.shape[-1]}), each rank's shard of its split "
-                  "forward")
+
+        def facts() -> dict:
+            return dict(
+                step=trainer_step() or (1 if state is None else state.start_step + 1 + state.steps // state.grad_accum),
+                problem=guard.vocab_problem(causal_lm, model_inputs.get("input_ids"), labels, None, IGNORE_INDEX),
+                labelled=bool((labels != IGNORE_INDEX).any()),
+                where=f"the whole micro-batch ({labels.shape[0]} x {labels.shape[-1]}), each rank's shard of its "
+                      "split forward")
+
+        return guard_split.first_call(state, check, causal_lm, engage.engaged(causal_lm).family.model_type, facts)
 
 
 def patch(model: Any) -> list:

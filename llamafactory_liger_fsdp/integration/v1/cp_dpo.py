@@ -153,13 +153,15 @@ def loss(sp: Any, trainer: Any, batch: dict):
     labels = batch["labels"]
     check = guard_split.Split("LLaMA-Factory's DPOTrainer.compute_loss", run,
                               lambda: dpo.compute_loss(trainer, batch, honest))
-    return guard_split.first_call(
-        forward.state_of(causal_lm), check, causal_lm, engage.engaged(causal_lm).family.model_type,
-        step=int(getattr(trainer, "global_step", 0) or 1),
-        problem=guard.vocab_problem(causal_lm, batch.get("input_ids"), labels, None, IGNORE_INDEX),
-        labelled=bool((labels != IGNORE_INDEX).any()),
-        where=f"the whole micro-batch ({labels.shape[0]} pair rows x {labels.shape[-1]}), each rank's shard of its "
-              "split forward")
+    def facts() -> dict:
+        return dict(step=int(getattr(trainer, "global_step", 0) or 1),
+                    problem=guard.vocab_problem(causal_lm, batch.get("input_ids"), labels, None, IGNORE_INDEX),
+                    labelled=bool((labels != IGNORE_INDEX).any()),
+                    where=f"the whole micro-batch ({labels.shape[0]} pair rows x {labels.shape[-1]}), each rank's "
+                          "shard of its split forward")
+
+    return guard_split.first_call(forward.state_of(causal_lm), check, causal_lm,
+                                  engage.engaged(causal_lm).family.model_type, facts)
 
 
 def patch(size: int) -> list:

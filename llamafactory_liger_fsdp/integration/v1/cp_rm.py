@@ -108,11 +108,14 @@ class Seam:
                                   precision="the scores of the same split forward, gathered apart from the loss",
                                   fix=FIX, said_as="with the scores the plugin gathered")
         ids = model_inputs["input_ids"]
-        return guard_split.first_call(
-            self, check, model, getattr(model.config, "model_type", type(model).__name__),
-            step=ulysses.trainer_step() or 1, problem=guard.vocab_problem(model, ids, None, None, -100),
-            labelled=True, where=f"the whole micro-batch ({ids.shape[0]} pair rows x {ids.shape[-1]}), each rank's "
-                                 "shard of its split forward")
+
+        def facts() -> dict:
+            return dict(step=ulysses.trainer_step() or 1, problem=guard.vocab_problem(model, ids, None, None, -100),
+                        labelled=True, where=f"the whole micro-batch ({ids.shape[0]} pair rows x {ids.shape[-1]}), "
+                                             "each rank's shard of its split forward")
+
+        return guard_split.first_call(self, check, model, getattr(model.config, "model_type", type(model).__name__),
+                                      facts)
 
 
 def patch(model: Any, cfg: Any) -> list:
