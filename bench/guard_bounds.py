@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import time
 
 import torch
@@ -75,7 +76,15 @@ def cp_runs(work: str, size: int, stages: list, dtypes: list) -> list:
     """(row fields, command, v1 args) of every case at cp_size ``size`` (one rank a CP rank, data parallel 1)."""
     from llamafactory_liger_fsdp.integration.v1 import cp_args
 
-    mdir, runs = common.tiny_assets(os.path.join(work, "assets")), []
+    mdir, runs, model = common.tiny_assets(os.path.join(work, "assets")), [], os.path.join(work, "model_kv4")
+    if size > 2 and not os.path.exists(os.path.join(model, "model.safetensors")):  # Ulysses over 4: 4 KV heads
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        shutil.copytree(os.path.join(mdir, "model"), model, dirs_exist_ok=True)
+        config = AutoConfig.from_pretrained(model)
+        config.num_key_value_heads = 4
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(model)
     src = json.load(open(os.path.join(mdir, "data", "tiny_pairs.json")))
     for length, tokens in CP_WORDS.items():
         n = tokens // 5  # words a side: ~2 tokens a word, chosen and rejected in one RM / DPO row
@@ -93,7 +102,7 @@ def cp_runs(work: str, size: int, stages: list, dtypes: list) -> list:
                     if (size == 1 and (stage == "rm" or length == "long")):
                         continue  # the plugin takes RM under CP only; a long micro-batch needs cp > 1
                     out = os.path.join(work, f"cp{size}_{stage}_{dtype}_{length}_{inject}")
-                    cfg = dict(model=os.path.join(mdir, "model"), output_dir=out, micro_batch_size=2,
+                    cfg = dict(model=model if size > 2 else os.path.join(mdir, "model"), output_dir=out, micro_batch_size=2,
                                global_batch_size=2, cutoff_len=tokens - 1, max_steps=1, bf16=dtype == "bfloat16",
                                batching_workers=0, learning_rate=1e-3, kernel_config={"name": "liger_fsdp"},
                                train_dataset=os.path.join(work, f"{'sft' if stage == 'sft' else 'pairs'}_{length}.yaml"),
@@ -102,7 +111,8 @@ def cp_runs(work: str, size: int, stages: list, dtypes: list) -> list:
                     if stage != "rm":
                         cfg["peft_config"] = {"name": "lora", "r": 4, "lora_alpha": 8, "target_modules": "all",
                                               "lora_dropout": 0.0, "modules_to_save": ["lm_head"]}
-                    runs.append(({"cp": size, "stage": stage, "dtype": dtype, "length": length, "injected": inject},
+                    runs.append(({"cp": size, "stage": stage, "dtype": dtype, "length": length, "injected": inject,
+                                  "kv_heads": 4 if size > 2 else 2},
                                  stage, cfg))
     return runs
 
@@ -158,10 +168,12 @@ def cp_main(args) -> None:
             json.dump(cp_runs(work, size, args.stages.split(","), args.dtypes.split(",")[:2]), f)
         rc, log, _ = common.torchrun(size, [os.path.abspath(__file__), "--cp-worker", spec], env, 3600, spec + ".log")
         if rc or not os.path.exists(spec + ".rows"):
-            raise SystemExit(f"cp {size}: rc {rc}\n{common.error_line(log)}\n{log[-3000:]}")
+            print(f"cp {size}: rc {rc}, no rows: {common.error_line(log)} (log: {spec}.log)")
+            continue
         rows += [dict(r, llamafactory=llamafactory.__version__) for r in json.load(open(spec + ".rows"))]
+    done = {(llamafactory.__version__, r["cp"]) for r in rows}
     kept = json.load(open(args.out)) if os.path.exists(args.out) else {"meta": {}, "rows": []}
-    kept["rows"] = [r for r in kept["rows"] if r.get("llamafactory") != llamafactory.__version__ or "cp" not in r] + rows
+    kept["rows"] = [r for r in kept["rows"] if (r.get("llamafactory"), r.get("cp")) not in done] + rows
     kept["meta"][f"cp {llamafactory.__version__}"] = {"torch": torch.__version__, "seconds": round(time.time() - t0)}
     with open(args.out, "w") as f:
         json.dump(kept, f, indent=1)
