@@ -24,14 +24,14 @@ SP_LOSS = f"{SP}:sequence_parallel_loss"
 
 @pytest.fixture(autouse=True)
 def fresh_run(monkeypatch):
-    """Each test its own set of used pieces and said lines; the patches it made undone (the import hook's stay)."""
+    """Each test its own set of used pieces and said lines; the patches it made (``why`` "test") undone -- not those
+    the import hook made while a test imported LLaMA-Factory's modules."""
     from llamafactory_liger_fsdp import _log
 
     monkeypatch.setattr(fingerprints, "_USED", {})
     monkeypatch.setattr(_log, "_SAID", set())
-    before = list(_patch._APPLIED)
     yield
-    for patch in [p for p in _patch._APPLIED if not any(p is q for q in before)][::-1]:
+    for patch in [p for p in _patch._APPLIED if p.why == "test"][::-1]:
         _patch.undo(patch.owner, patch.name)
 
 
