@@ -14,5 +14,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q -e .
   echo "$want" > "$stamp"
 fi
+# the LlamaBoard browser test's headless Chromium and its driver (Debian packages; as root, or with sudo that asks
+# no password): where they cannot be installed the test says why and skips, except in CI (.ci/run), where it fails
+if { ! command -v chromium || ! command -v chromedriver; } >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  sudo=$([ "$(id -u)" = 0 ] && echo "" || { sudo -n true 2>/dev/null && echo "sudo -n"; } || echo none)
+  if [ "$sudo" != none ]; then
+    { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq chromium chromium-driver; } \
+      > .venv/apt_chromium.log 2>&1 || echo "setup.sh: installing chromium chromium-driver failed (.venv/apt_chromium.log)" >&2
+  fi
+fi
 # the .pth hook must have run at interpreter start (importing _bootstrap here would install it and prove nothing)
 .venv/bin/python -c "import sys; b = sys.modules.get('llamafactory_liger_fsdp._bootstrap'); assert b is not None and b.ACTIVE, 'import hook not active: the .pth file did not run'"
