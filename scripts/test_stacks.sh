@@ -121,7 +121,7 @@ run_stack() {  # called without `||` around it, so `set -e` holds inside; the tw
   rm -rf "$out"
   python -m pytest -q -n 2 --dist loadfile tests -m "not slow" "$@" || rc=1
   local e2e=("${E2E[@]}")
-  [ "$stack" != main ] || e2e+=(tests/test_v1_cp.py tests/test_v1_cp_pref.py)  # git main's v1: top-level cp_size
+  [ "$stack" != main ] || e2e+=(tests/test_v1_cp.py tests/test_v1_cp_pref.py tests/test_v1_cp_cluster.py)  # git main's v1: top-level cp_size, DPO
   python -m pytest -q -n 2 --dist loadfile "${e2e[@]}" "$@" || rc=1
   echo "test_stacks.sh: $stack stack: exit $rc in $((SECONDS - t0)) s"
   exit $rc
