@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._log import info_rank0
-from .triton_kernels import _softcap
+from .triton_kernels import softcap_tanh
 
 FORCE = False  # tests: run it wherever it can (the CPU interpreter too)
 # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, GROUP_M, warp-specialized (h200_triton_gemm_probe.json, commit 7a2f014)
@@ -88,7 +88,7 @@ def _fused_kernel(
             m = tl.load(m_ptr + rm, mask=rmask, other=0.0)
             inv_s = tl.load(inv_s_ptr + rm, mask=rmask, other=0.0)
             if HAS_SOFTCAP:
-                zc, th = _softcap(acc, softcap)
+                zc, th = softcap_tanh(acc, softcap)
             else:
                 zc = acc
             g = tl.exp(zc - m[:, None]) * inv_s[:, None] - off_target
@@ -97,7 +97,7 @@ def _fused_kernel(
             dz_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], _round16(g * out_scale, IS_BF16))
         else:
             if HAS_SOFTCAP:
-                zc, _ = _softcap(acc, softcap)
+                zc, _ = softcap_tanh(acc, softcap)
             else:
                 zc = acc
             zm = tl.where(cmask, zc, float("-inf"))

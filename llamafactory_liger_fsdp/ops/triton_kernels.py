@@ -19,7 +19,8 @@ def block_r(t: torch.Tensor) -> int:
 
 
 @triton.jit
-def _softcap(z, softcap):
+def softcap_tanh(z, softcap):
+    """(softcap * tanh(z / softcap), the tanh): the capped logits and the factor their gradient needs."""
     t = z / softcap
     e = tl.exp(-2.0 * tl.abs(t))
     th = (1.0 - e) / (1.0 + e)
@@ -55,7 +56,7 @@ def stats_kernel(
         mask = rmask[:, None] & (cols < stop)[None, :]
         z = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            z, _ = _softcap(z, softcap)
+            z, _ = softcap_tanh(z, softcap)
         if SMOOTH:
             zs += tl.where(mask, z, 0.0)
         zm = tl.where(mask, z, float("-inf"))
@@ -68,7 +69,7 @@ def stats_kernel(
     hit = rmask & (y >= start) & (y < stop)
     zy = tl.load(base + tl.where(hit, y, 0)[:, None], mask=hit[:, None], other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        zy, _ = _softcap(zy, softcap)
+        zy, _ = softcap_tanh(zy, softcap)
     t_row = tl.sum(tl.where(hit[:, None], zy, 0.0), axis=1)
     zs_row = tl.sum(zs, axis=1)
     if ACCUMULATE:
@@ -95,7 +96,7 @@ def _dz_values(z, m, inv_s, softcap, off_target, out_scale, dz_ptr, HAS_SOFTCAP:
     """The dz block of :func:`_dz_kernel` from fp32 logits ``z`` and the rows' max ``m`` and ``1 / sum``, rounded once
     to dz's dtype (bf16 to nearest even by hand: the GPU's cast gives the same bits, the interpreter's truncates)."""
     if HAS_SOFTCAP:
-        zc, th = _softcap(z, softcap)
+        zc, th = softcap_tanh(z, softcap)
     else:
         zc = z
     g = tl.exp(zc - m[:, None]) * inv_s[:, None] - off_target
