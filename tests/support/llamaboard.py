@@ -185,7 +185,9 @@ class Page:
     def run_until_done(self, timeout: float, shot: Path | None = None, shot_when: str = "") -> str:
         """Click Start and read the output box until the run ends ("Finished." or "Failed." on top); ``shot``: a
         screenshot of the box the first time it shows ``shot_when`` while the run goes."""
+        before = self.output()  # the last run's end, until the page starts showing this one
         self.click("Start")
+        self.wait_for(lambda: self.output() != before, 60, "the run to start")
 
         def ended():
             nonlocal shot
