@@ -119,7 +119,7 @@ def check_fused(args, meta, rows, out, t0):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="the rows JSON, e.g. bench/results/h100_kernel4_variants.json")
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--variants", default=",".join(VARIANTS) + ",liger")
     ap.add_argument("--small-variants", default="fast,fast_stats,fast_rec,lean,lean_fused",

@@ -194,11 +194,19 @@ def _unseen_pieces() -> list[Piece]:
     return [registry()[n] for n in _USED if _PRINTS[n][1] not in data.get(n, {})]
 
 
-def _dist(name: str) -> str:
-    from . import versions
+def _installed(dist: str) -> str | None:
+    """The installed version of ``dist`` (read here, not from :mod:`.versions`, which reads this module)."""
+    from importlib import metadata
 
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _dist(name: str) -> str:
     top = name.split(".", 1)[0].split(":", 1)[0]
-    return f"{top} {versions.installed(top) or '?'}"
+    return f"{top} {_installed(top) or '?'}"
 
 
 def unseen() -> list[str]:
@@ -243,9 +251,7 @@ def this_stack(prefix: str = "") -> dict[str, str]:
 
 
 def stack_label() -> str:
-    from . import versions
-
-    return ", ".join(f"{n} {versions.installed(n)}" for n in ("llamafactory", "transformers"))
+    return ", ".join(f"{n} {_installed(n)}" for n in ("llamafactory", "transformers"))
 
 
 def missing(prefix: str = "") -> list[str]:
