@@ -151,6 +151,13 @@ def _original_side(causal_lm, models, window=None):
         yield calls
 
 
+def note_raised(exc: BaseException, step: int, what: str, where: str) -> None:
+    """An error inside either side of the guard is that error, not a mismatch: a note says where it came from."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"[liger_fsdp] raised inside the first-step guard (step {step}), by {what} or the plugin's "
+                     f"replacement {where}; `liger_fsdp_guard: false` skips the check.")
+
+
 def unchecked(step: int, what: str, reason: str) -> None:
     newer = versions.untested()
     if newer:
@@ -195,9 +202,7 @@ def hold(check: Check, causal_lm, family, batch: dict, labels: torch.Tensor, *, 
             ours = replacement(dict(small))
             pairs_out = check.compare(theirs, ours)
     except Exception as exc:  # not a mismatch: the same error, at once (no collective after it)
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"[liger_fsdp] raised inside the first-step guard (step {step}), by {check.what} or the "
-                         "plugin's replacement on a slice of the micro-batch; `liger_fsdp_guard: false` skips the check.")
+        note_raised(exc, step, check.what, "on a slice of the micro-batch")
         raise
     finally:
         rng.restore()

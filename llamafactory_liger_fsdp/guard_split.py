@@ -225,9 +225,7 @@ def first_call(state: Any, check: Split, model, model_type: str, facts: Callable
     try:
         result, pairs = check.run(probe)
     except Exception as exc:  # not a mismatch: the same error, at once (no collective after it)
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"[liger_fsdp] raised inside the first-step guard (step {step}), by {check.what} or the "
-                         "plugin's replacement on the same split forward; `liger_fsdp_guard: false` skips the check.")
+        guard.note_raised(exc, step, check.what, "on the same split forward")
         raise
     finally:
         _ACTIVE.remove(probe)
