@@ -1,7 +1,7 @@
 """How long the test tiers take on this machine (the README's "fast tier" figure): runs them through the README's test
 command and appends one JSON row per tier to --out (a list; the CI rows of fresh clones are added there by hand).
 
-    python bench/cpu_test_times.py [--full] [--out bench/results/cpu_test_times.json]
+    python scripts/cpu_test_times.py [--full] [--out bench/results/cpu_test_times.json]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 import subprocess
 import time
 
-from common import ROOT
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIERS = {"fast": ["-m", "not slow"], "full": []}
 
 
