@@ -5,7 +5,7 @@ fp32 unless asked. One persistent Triton kernel, three epilogues:
   (softcapped when asked) -- the statistics pass without its read of ``z``, and without ``z`` written at all;
 * ``stats`` with ``z_out``: the same and the fp32 ``z`` stored (the fast path keeps its dz pass);
 * ``dz``: given the rows' final max and ``1 / sum``, dz rounded once to the inputs' 16-bit dtype, as
-  :func:`.triton_kernels._dz_values` forms it (no fp32 ``z`` written or read).
+  :func:`.triton_kernels.dz_block` forms it for the dz pass (no fp32 ``z`` written or read).
 
 Why (bench/RESULTS.md section 1): at small H the loss is bound by the bytes moved per logit outside the GEMMs (~18:
 fp32 z written, read by the statistics, read by the dz pass, 16-bit dz written and read twice), as long as the GEMMs'
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._log import info_rank0
-from .triton_kernels import softcap_tanh
+from .triton_kernels import dz_block, softcap_tanh
 
 FORCE = False  # tests: run it wherever it can (the CPU interpreter too)
 # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, GROUP_M, warp-specialized (h200_triton_gemm_probe.json, commit 7a2f014)
@@ -87,14 +87,8 @@ def _fused_kernel(
         if EPI == 2:
             m = tl.load(m_ptr + rm, mask=rmask, other=0.0)
             inv_s = tl.load(inv_s_ptr + rm, mask=rmask, other=0.0)
-            if HAS_SOFTCAP:
-                zc, th = softcap_tanh(acc, softcap)
-            else:
-                zc = acc
-            g = tl.exp(zc - m[:, None]) * inv_s[:, None] - off_target
-            if HAS_SOFTCAP:
-                g = g * (1.0 - th * th)
-            dz_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], _round16(g * out_scale, IS_BF16))
+            g = dz_block(acc, m, inv_s, softcap, off_target, out_scale, HAS_SOFTCAP)
+            dz_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], _round16(g, IS_BF16))
         else:
             if HAS_SOFTCAP:
                 zc, _ = softcap_tanh(acc, softcap)

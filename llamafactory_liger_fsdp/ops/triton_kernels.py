@@ -92,9 +92,10 @@ def stats_kernel(
 
 
 @triton.jit
-def _dz_values(z, m, inv_s, softcap, off_target, out_scale, dz_ptr, HAS_SOFTCAP: tl.constexpr, IS_BF16: tl.constexpr):
-    """The dz block of :func:`_dz_kernel` from fp32 logits ``z`` and the rows' max ``m`` and ``1 / sum``, rounded once
-    to dz's dtype (bf16 to nearest even by hand: the GPU's cast gives the same bits, the interpreter's truncates)."""
+def dz_block(z, m, inv_s, softcap, off_target, out_scale, HAS_SOFTCAP: tl.constexpr):
+    """The fp32 dz block from fp32 logits ``z`` and the rows' max ``m`` and ``1 / sum`` (see :func:`_dz_kernel`),
+    before rounding: one formula for the dz passes and the fused GEMM's dz epilogue (``triton_fused``), so their dz
+    stays bitwise equal; each caller rounds and stores it its own way."""
     if HAS_SOFTCAP:
         zc, th = softcap_tanh(z, softcap)
     else:
@@ -102,7 +103,7 @@ def _dz_values(z, m, inv_s, softcap, off_target, out_scale, dz_ptr, HAS_SOFTCAP:
     g = tl.exp(zc - m[:, None]) * inv_s[:, None] - off_target
     if HAS_SOFTCAP:
         g = g * (1.0 - th * th)
-    return _round_to(g * out_scale, dz_ptr, IS_BF16)
+    return g * out_scale
 
 
 @triton.jit
@@ -135,7 +136,7 @@ def _dz_kernel(
     z = tl.load(z_ptr + r64 * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + rows, mask=rmask, other=0.0)
     inv_s = tl.load(inv_s_ptr + rows, mask=rmask, other=0.0)
-    out = _dz_values(z, m, inv_s, softcap, off_target, out_scale, dz_ptr, HAS_SOFTCAP, IS_BF16)
+    out = _round_to(dz_block(z, m, inv_s, softcap, off_target, out_scale, HAS_SOFTCAP), dz_ptr, IS_BF16)
     tl.store(dz_ptr + r64 * stride_dz + cols[None, :], out, mask=mask)
 
 
@@ -157,7 +158,7 @@ def _dz_inplace_kernel(
         cols = off + tl.arange(0, BLOCK)
         mask = rmask[:, None] & (cols < n_cols)[None, :]
         z = tl.load(z_ptr + r64 * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        out = _dz_values(z, m, inv_s, softcap, off_target, out_scale, dz_ptr, HAS_SOFTCAP, IS_BF16)
+        out = _round_to(dz_block(z, m, inv_s, softcap, off_target, out_scale, HAS_SOFTCAP), dz_ptr, IS_BF16)
         tl.debug_barrier()
         tl.store(dz_ptr + r64 * stride_dz + cols[None, :], out, mask=mask)
 
