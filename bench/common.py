@@ -30,11 +30,12 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def versions() -> dict:
+def versions(dists=DISTS) -> dict:
+    """Each of ``dists``' installed version (None when absent)."""
     from importlib import metadata
 
     out = {}
-    for dist in DISTS:
+    for dist in dists:
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
