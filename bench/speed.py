@@ -6,9 +6,14 @@ DPO/KTO/ORPO/SimPO at 2k and 8k); variants plain, liger, plugin, plugin+liger. F
     python bench/speed.py [--scenarios fsdp2_sft,dpo_8k:1] [--variants plain,plugin] [--runs 2] [--steps 5]
                           [--out bench/results/{card}_speed.json] [--deadline 540] [--smoke]
     python bench/speed.py --table [--plot] [--out bench/results/h200_speed.json]   # medians and ratios, charts
+    python bench/speed.py --twin 8 [--layers 2] [--cutoff 16384] [--stage sft|dpo] [--steps 3]
+                          [--variants plain,liger_fsdp,liger_fsdp_fast] [--out bench/results/cpu_twin.json]
 
 ``name:k`` gives one scenario k runs, ``name:k:a/b`` also its variants; run r plays the variants in order on even r,
-reversed on odd r. ``--smoke``: CPU plumbing check (tiny model, fp32, no FSDP/DeepSpeed, a temp JSON).
+reversed on odd r. ``--smoke``: CPU plumbing check (tiny model, fp32, no FSDP/DeepSpeed, a temp JSON). ``--twin S``:
+the CPU memory twin (bench/common.py) of the Llama-3-8B shape at ``--layers``, ``--cutoff`` tokens (SFT) or a side
+(DPO): FSDP2 on one CPU rank (the package's CPU shim), Triton interpreted (Liger's kernels do not run there), variants
+of common.VARIANTS; a row per variant appended, its peaks CPU bytes x S^2 (method and checks: bench/RESULTS.md 12).
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import statistics
 import tempfile
 import time
 
-from common import (MODELS, ROOT, SMOKE_CFG, SMOKE_ENV, build, card, card_key, ds_json, dump_json, load_rows, now,
-                    run, tiny_assets, versions)
+from common import (MODELS, ROOT, SMOKE_CFG, SMOKE_ENV, TWIN_ENV, VARIANTS, append_row, build, card, card_key, commit,
+                    ds_json, dump_json, filling_words, load_rows, now, run, shim, tiny_assets, twin_groups, twin_lines,
+                    twin_spec, versions)
 
 SPEC = MODELS["llama3-8b"]
 KEYS = {"plain": "plain", "liger": "liger", "plugin": "liger_fsdp_auto", "plugin+liger": "liger+liger_fsdp"}
@@ -75,6 +81,50 @@ def run_args(work, name, variant, mdir, smoke):
     return cutoff, cfg, env, notes
 
 
+TWIN_OFFERED = ("plain", "liger_fsdp", "liger_fsdp_fast", "liger_fsdp_auto", "liger_fsdp_noguard")  # interpreted
+
+
+def twin(args, ap):
+    """--twin S: a row per variant of the CPU memory twin, its GPU-sized peaks and what they are made of."""
+    s, variants = args.twin, (args.variants or "plain,liger_fsdp,liger_fsdp_fast").split(",")
+    if set(variants) - set(TWIN_OFFERED):
+        ap.error(f"--variants: {sorted(set(variants) - set(TWIN_OFFERED))} not offered (the interpreter runs "
+                 f"{', '.join(TWIN_OFFERED)})")
+    out, work = args.out or os.path.join(ROOT, "bench", "results", "cpu_twin.json"), args.work or "/tmp/memory_twin"
+    words = filling_words(args.cutoff // s)  # an answer fills a sample (a DPO side; SFT packs them anyway)
+    mdir = build(work, f"llama3-8b-L{args.layers}-twin{s}-{args.cutoff}", twin_spec(SPEC, s), args.layers, rows=64,
+                 answer_words=(words, words + 50), max_position=max(32768, 2 * args.cutoff), seed=0, device="cpu")
+    env = {TWIN_ENV: str(s), "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(os.cpu_count()),
+           "PYTHONPATH": os.pathsep.join([shim("cpu_fsdp_shim"), os.environ.get("PYTHONPATH", "")])}  # not DDP
+    print(f"{'variant':18} {'predicted GiB':>13} {'set-up':>8} {'forward':>8} {'backward':>8} {'optimizer':>9}")
+    for variant in variants:
+        cfg = dict(lora_rank=max(1, 16 // s), cutoff_len=args.cutoff // s, preprocessing_num_workers=1, use_cpu=True,
+                   **(SCENARIOS["dpo_2k"]["cfg"] if args.stage == "dpo" else {}))
+        if variant == "liger_fsdp_auto" or (variant != "plain" and "liger_fsdp_backend" not in VARIANTS[variant]):
+            cfg["liger_fsdp_backend"] = "triton_fast"  # what auto picks on a GPU
+        row = run(mdir, SPEC, variant, args.steps or 3, work, cutoff=args.cutoff // s, overrides=cfg, env=env,
+                  tag=f"twin{s}_{args.stage}_L{args.layers}_{args.cutoff}_{variant}", timeout=args.timeout or 1800)
+        row.update(twin=s, stage=args.stage, layers=args.layers, cutoff=args.cutoff, card="cpu", date=now(),
+                   versions=versions(), commit=commit())
+        if "error" not in row:
+            for key in [k for k in row if k.endswith("peak_gib")]:
+                row[key] *= s**2
+            row["live_at_peak"] = twin_groups(row.pop("twin_live", None), s)
+            row["live_at_setup"] = twin_groups(row.pop("twin_live_setup", None), s)
+            for key in ("tokens_per_s", "tokens_per_s_per_gpu", "step_s", "step_times"):
+                row.pop(key, None)  # CPU times say nothing about a GPU
+        append_row(out, row)
+        if "error" in row:
+            print(f"{variant:18} error: {row['error']}")
+            continue
+        print(f"{variant:18} {row['peak_gib']:>13.2f} {row['setup_peak_gib']:>8.2f} {row['forward_peak_gib']:>8.2f} "
+              f"{row['backward_peak_gib']:>8.2f} {row['optimizer_peak_gib']:>9.2f}")
+        print("\n".join(twin_lines(row["live_at_peak"], top=8)))
+        if row["setup_peak_gib"] > row["peak_gib"]:  # the run's peak is the set-up's: say what it is made of
+            print("    at the set-up's peak:\n" + "\n".join(twin_lines(row["live_at_setup"], top=8)))
+    print(f"rows appended to {out}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenarios", default=None, help="comma list (default: all; --smoke: fsdp2_sft,dpo_2k)")
@@ -87,7 +137,15 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check on the tiny local model")
     ap.add_argument("--table", action="store_true", help="print the medians of --out's rows; run nothing")
     ap.add_argument("--plot", action="store_true", help="with --table: draw the two charts beside --out")
+    ap.add_argument("--twin", type=int, default=0, help="the CPU memory twin at this scale (8: 1/64 of the memory); "
+                    "rows to bench/results/cpu_twin.json")
+    ap.add_argument("--layers", type=int, default=2, help="--twin: decoder layers")
+    ap.add_argument("--cutoff", type=int, default=16384, help="--twin: the GPU run's tokens (the twin runs cutoff / S)")
+    ap.add_argument("--stage", choices=["sft", "dpo"], default="sft", help="--twin")
+    ap.add_argument("--timeout", type=float, default=None, help="--twin: seconds a run may take (default 1800)")
     args = ap.parse_args()
+    if args.twin:
+        return twin(args, ap)
     if args.table:
         return table([r for r in load_rows(args.out or os.path.join(ROOT, "bench", "results", "h200_speed.json"))
                       if not r.get("superseded")], args.out if args.plot else None)

@@ -1,4 +1,4 @@
-"""The CPU memory twin's scripts run end to end (bench/memory_twin.py for LLaMA-Factory, bench/v1.py --twin for
+"""The CPU memory twin's scripts run end to end (bench/speed.py --twin for LLaMA-Factory, bench/v1.py --twin for
 v1) at scale 64 on one CPU rank: a row per variant with a peak and its three phases, the set-up's peak, the live
 allocations at both, the package's sizes divided (its log line) -- plumbing only; bench/RESULTS.md section 12 has the
 figures."""
@@ -41,7 +41,7 @@ def _bench(script, tmp_path, *args):
 
 
 def test_memory_twin_llamafactory(tmp_path):
-    rows = _bench("memory_twin.py", tmp_path, "--scale", "64", "--layers", "1", "--variants", "plain,liger_fsdp")
+    rows = _bench("speed.py", tmp_path, "--twin", "64", "--layers", "1", "--variants", "plain,liger_fsdp")
     assert [r["variant"] for r in rows] == ["plain", "liger_fsdp"]
     for row in rows:
         _check(row, 64)
