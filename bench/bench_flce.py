@@ -1,26 +1,20 @@
-"""Fused linear cross-entropy on one GPU: the plugin's two kernels against Liger (and, on request, the unfused torch
-loss and ``torch_chunked``, the chunked loss of TRL / LLaMA-Factory), forward + backward.
+"""Fused linear cross-entropy on one GPU, forward + backward: the plugin's two kernels against Liger (on request the
+unfused torch loss and ``torch_chunked``, TRL's / LLaMA-Factory's chunked loss). Rows to JSON one by one.
 
-Benchmark (default): at each shape and fraction of ignored labels (bf16), time (CUDA events, 3 warm-ups, median of
-10), peak memory beyond the inputs, and each implementation's loss / dX / dW error against an fp32 reference from the
-same bf16 inputs; the card's bf16 matmul rate is measured in the same run (short bursts and sustained), which sets the
-floors ``floor_ms = 6 N H V / rate`` and ``floor_valid_ms = 6 N_valid H V / rate`` (the rows a kernel that skips
-ignored labels multiplies); ``x_valid_floor`` = ms / floor_valid_ms. ``peak_extra_mib`` leaves out the two gradients
-every implementation returns (dX, dW in the input dtype); ``peak_total_extra_mib`` keeps them. ``--check``: real-size
-correctness of every backend against float64 (plain torch in the same dtype and the rounding floor beside it),
-reductions, label smoothing, softcap, fp16, fp32, large logits, determinism, bad labels, the forward-only path.
-``--variants``: issue 50's A/B of the fused logits GEMM (``ops/triton_fused.py``): the phases of one 3072-row chunk
-(cuBLAS logits, the statistics and dz passes, the two gradient GEMMs, the fused GEMM's three epilogues, with and
-without warp specialization) at each shape, then the benchmark per variant (``VARIANTS``: the ops' constants set) at
-25% ignored, the --check grid with the fused paths forced on (``--check-out``), then ``--small-variants`` at 0% / 50%.
-All write JSON row by row; ``--table`` prints the table of --out.
+Benchmark (default), per shape and ignored-label fraction (bf16): ms (CUDA events, 3 warm-ups, median of 10), peak
+memory beyond the inputs (``peak_extra_mib`` without the dX, dW every implementation returns, ``peak_total_extra_mib``
+with them), loss / dX / dW error against an fp32 reference from the same inputs, and ``x_valid_floor`` = ms over
+6 N_valid H V flops at the card's bf16 matmul rate measured in the run (short bursts; ``_sustained``: back to back).
+``--check``: real-size correctness of every backend against float64 beside plain torch and the rounding floor
+(reductions, label smoothing, softcap, fp16, fp32, large logits, determinism, bad labels, the forward alone).
+``--variants``: issue 50's A/B of the fused logits GEMM (ops/triton_fused.py): the phases of one 3072-row chunk per
+shape, then the benchmark per ``VARIANTS`` entry at 25% ignored, ``--check-out``'s grid with the fused paths forced
+on, ``--small-variants`` at 0% / 50%. ``--table`` prints --out's table; ``{card}`` in --out: h200, h100, ...
 
     python bench/bench_flce.py [--out bench/results/{card}_kernel3.json] [--deadline 290] [--impls ...,torch_chunked]
     python bench/bench_flce.py --check [--out bench/results/{card}_kernel3_check.json]
     python bench/bench_flce.py --variants all|fast,lean,... [--check-out F] [--out {card}_kernel4_variants.json]
     python bench/bench_flce.py --table --out bench/results/h200_kernel3.json
-
-``{card}`` in --out is the card's short name (h200, h100, ...).
 """
 
 from __future__ import annotations

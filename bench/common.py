@@ -24,8 +24,6 @@ DISTS = ("torch", "triton", "transformers", "peft", "accelerate", "deepspeed", "
 
 
 # ---------------------------------------------------------------------------------------------------------- row fields
-
-
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
@@ -45,11 +43,11 @@ def versions(dists=DISTS) -> dict:
 
 def commit() -> str | None:
     """The repository's commit (short), ``-dirty`` when the package has uncommitted changes; None outside git."""
+    def git(*argv):
+        return subprocess.run(["git", "-C", ROOT, *argv], capture_output=True, text=True, timeout=30).stdout.strip()
+
     try:
-        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "llamafactory_liger_fsdp"],
-                               capture_output=True, text=True, timeout=30).stdout.strip()
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "llamafactory_liger_fsdp")
     except (OSError, subprocess.TimeoutExpired):
         return None
     return (head + ("-dirty" if dirty else "")) or None
@@ -73,8 +71,6 @@ def card_key(name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- JSON
-
-
 def dump_json(path: str, obj) -> None:
     """``obj`` to ``path`` (indent 1), through a temporary file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -83,11 +79,14 @@ def dump_json(path: str, obj) -> None:
     os.replace(path + ".tmp", path)
 
 
+def load_json(path: str, default=None):
+    """``path``'s JSON, ``default`` where there is no such file."""
+    return json.load(open(path)) if os.path.exists(path) else default
+
+
 def load_rows(path: str) -> list:
     """The rows of a ``{"rows": [...]}`` file (a bare list is read too); [] when there is none."""
-    if not os.path.exists(path):
-        return []
-    data = json.load(open(path))
+    data = load_json(path, [])
     return data["rows"] if isinstance(data, dict) else data
 
 
@@ -103,7 +102,6 @@ def shim(name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- LLaMA-Factory runs
-
 MODELS = {
     "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, layer="LlamaDecoderLayer"),

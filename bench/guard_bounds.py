@@ -19,6 +19,7 @@ LLaMA-Factory version; the other rows are kept, and a run without ``--cp`` keeps
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -39,21 +40,18 @@ def one(name: str, head: str, dtype: torch.dtype, inject: float | None) -> dict:
     from llamafactory_liger_fsdp.engage import engage
     from llamafactory_liger_fsdp.testing import make_inputs, twin
 
-    texts = []
+    texts, stopped = [], False
     honest_say, honest_loss = guard.info_rank0, losses.HeadLoss.loss
     guard.info_rank0 = texts.append  # the guard's line (its error carries the same numbers)
     if inject:
         losses.HeadLoss.loss = lambda self, *a, **k: honest_loss(self, *a, **k) * (1 + inject)
     try:
         _, model = twin(name, head)
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
         with torch.no_grad():
-            base.get_output_embeddings().weight.mul_(3.0)
-        model.to(dtype)
-        engage(model, backend="torch")
+            getattr(model, "get_base_model", lambda: model)().get_output_embeddings().weight.mul_(3.0)
+        engage(model.to(dtype), backend="torch")
         try:
             model(**make_inputs(name))
-            stopped = False
         except LigerFsdpConfigError as exc:
             stopped = True
             texts.append(str(exc))
@@ -81,10 +79,8 @@ def cp_runs(work: str, size: int, stages: list, dtypes: list) -> list:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         shutil.copytree(os.path.join(mdir, "model"), model, dirs_exist_ok=True)
-        config = AutoConfig.from_pretrained(model)
-        config.num_key_value_heads = 4
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config).save_pretrained(model)
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model, num_key_value_heads=4)).save_pretrained(model)
     src = json.load(open(os.path.join(mdir, "data", "tiny_pairs.json")))
     for length, tokens in CP_WORDS.items():
         n = tokens // 5  # words a side: ~2 tokens a word, chosen and rejected in one RM / DPO row
@@ -98,9 +94,8 @@ def cp_runs(work: str, size: int, stages: list, dtypes: list) -> list:
             json.dump({"d": {"path": path + ".json", "source": "local", "converter": converter}}, open(path + ".yaml", "w"))
         for stage in stages:
             for dtype in dtypes:
-                for inject in (0.0, 0.01):
-                    if (size == 1 and (stage == "rm" or length == "long")):
-                        continue  # the plugin takes RM under CP only; a long micro-batch needs cp > 1
+                for inject in (0.0, 0.01) if size > 1 or (stage != "rm" and length != "long") else ():
+                    # (at cp 1: the plugin takes RM under CP only; a long micro-batch needs cp > 1)
                     out = os.path.join(work, f"cp{size}_{stage}_{dtype}_{length}_{inject}")
                     cfg = dict(model=model if size > 2 else os.path.join(mdir, "model"), output_dir=out, micro_batch_size=2,
                                global_batch_size=2, cutoff_len=tokens - 1, max_steps=1, bf16=dtype == "bfloat16",
@@ -112,8 +107,7 @@ def cp_runs(work: str, size: int, stages: list, dtypes: list) -> list:
                         cfg["peft_config"] = {"name": "lora", "r": 4, "lora_alpha": 8, "target_modules": "all",
                                               "lora_dropout": 0.0, "modules_to_save": ["lm_head"]}
                     runs.append(({"cp": size, "stage": stage, "dtype": dtype, "length": length, "injected": inject,
-                                  "kv_heads": 4 if size > 2 else 2},
-                                 stage, cfg))
+                                  "kv_heads": 4 if size > 2 else 2}, stage, cfg))
     return runs
 
 
@@ -172,16 +166,20 @@ def cp_main(args) -> None:
             continue
         rows += [dict(r, llamafactory=llamafactory.__version__) for r in json.load(open(spec + ".rows"))]
     done = {(llamafactory.__version__, r["cp"]) for r in rows}
-    kept = json.load(open(args.out)) if os.path.exists(args.out) else {"meta": {}, "rows": []}
-    kept["rows"] = [r for r in kept["rows"] if (r.get("llamafactory"), r.get("cp")) not in done] + rows
-    kept["meta"][f"cp {llamafactory.__version__}"] = {"torch": torch.__version__, "seconds": round(time.time() - t0)}
-    with open(args.out, "w") as f:
-        json.dump(kept, f, indent=1)
+    save(args.out, rows, lambda r: (r.get("llamafactory"), r.get("cp")) not in done,
+         {f"cp {llamafactory.__version__}": {"torch": torch.__version__, "seconds": round(time.time() - t0)}})
     print("| LLaMA-Factory | cp | stage | dtype | micro-batch tokens | honest: stopped, |diff| / bound | 1% error stopped |")
     print("|---|---|---|---|---|---|---|")
     for h, e in zip(rows[::2], rows[1::2]):  # each case: honest, then the 1% error
         print(f"| {h['llamafactory']} | {h['cp']} | {h['stage']} | {h['dtype']} | {h['tokens']} | {h['stopped']}, "
               f"{h.get('diff')} / {h.get('bound')} | {e['stopped']} |")
+
+
+def save(out: str, rows: list, keep, meta: dict) -> None:
+    """``rows`` to ``out`` beside its old rows that ``keep`` holds; ``meta`` over its old meta."""
+    old = common.load_json(out, {"meta": {}, "rows": []})
+    common.dump_json(out, {"meta": {**old["meta"], **meta}, "rows": [r for r in old["rows"] if keep(r)] + rows})
+
 
 def main():
     from llamafactory_liger_fsdp.testing import ALL
@@ -204,22 +202,14 @@ def main():
 
     _log.logger.setLevel("WARNING")
     rows, t0 = [], time.time()
-    for name in args.names.split(","):
-        for head in args.heads.split(","):
-            for dtype in args.dtypes.split(","):
-                for inject in (None, 0.01):
-                    try:
-                        row = one(name, head, DTYPES[dtype], inject)
-                    except Exception as exc:  # a family this head kind or dtype cannot run on the CPU
-                        row = {"name": name, "head": head, "dtype": dtype, "injected": inject or 0.0,
-                               "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-                    rows.append(row)
-    old = json.load(open(args.out)) if os.path.exists(args.out) else {"meta": {}, "rows": []}
-    meta = {**{k: v for k, v in old["meta"].items() if k.startswith("cp ")}, "torch": torch.__version__,
-            "seconds": round(time.time() - t0, 1)}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows + [r for r in old["rows"] if "cp" in r]}, f, indent=1)
+    for name, head, dtype, inject in itertools.product(args.names.split(","), args.heads.split(","),
+                                                       args.dtypes.split(","), (None, 0.01)):
+        try:
+            rows.append(one(name, head, DTYPES[dtype], inject))
+        except Exception as exc:  # a family this head kind or dtype cannot run on the CPU
+            rows.append({"name": name, "head": head, "dtype": dtype, "injected": inject or 0.0,
+                         "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+    save(args.out, rows, lambda r: "cp" in r, {"torch": torch.__version__, "seconds": round(time.time() - t0, 1)})
     print("| dtype | honest cases | worst rel diff (case) | bound (rel) | 1% injected: stopped / cases | errors |")
     print("|---|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):

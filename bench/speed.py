@@ -64,21 +64,16 @@ def assets(work, key, smoke):
                  seed=0)
 
 
-def run_args(work, name, variant, mdir, smoke):
-    """(cutoff, yaml overrides, env, notes for the row) of one run."""
+def run_args(work, name, mdir, smoke):
+    """(cutoff, yaml overrides, env) of a run of scenario ``name``."""
     sc = SCENARIOS[name]
     cutoff = (SMOKE_ASSETS if smoke else ASSETS)[sc["assets"]][0]
     cfg = {"dataset": "tiny_alpaca", **sc.get("cfg", {})}
-    stage = cfg.get("stage", "sft")
     # tokenize once per asset set / stage / dataset / cutoff (LLaMA-Factory saves it there, later runs load it)
-    cfg["tokenized_path"] = os.path.join(mdir, f"tokenized_{stage}_{cfg['dataset']}_{cutoff}")
-    env, notes = {}, {"setup": sc["setup"]}
+    cfg["tokenized_path"] = os.path.join(mdir, f"tokenized_{cfg.get('stage', 'sft')}_{cfg['dataset']}_{cutoff}")
     if sc["ds"] and not smoke:
         cfg.update(fsdp=None, fsdp_config=None, deepspeed=ds_json(work, sc["ds"]))
-    if smoke:
-        cfg.update(SMOKE_CFG)
-        env.update(SMOKE_ENV)
-    return cutoff, cfg, env, notes
+    return cutoff, {**cfg, **SMOKE_CFG} if smoke else cfg, dict(SMOKE_ENV) if smoke else {}
 
 
 TWIN_OFFERED = ("plain", "liger_fsdp", "liger_fsdp_fast", "liger_fsdp_auto", "liger_fsdp_noguard")  # interpreted
@@ -181,7 +176,7 @@ def main():
                 if args.deadline and elapsed + max(walls, default=45) > args.deadline:
                     skipped.append(f"{name}:{variant}:r{r}")
                     continue
-                cutoff, cfg, env, notes = run_args(work, name, variant, mdir, smoke)
+                cutoff, cfg, env = run_args(work, name, mdir, smoke)
                 timeout = max(30, args.deadline - elapsed) if args.deadline else 900
                 start = time.monotonic()
                 row = run(mdir, SPEC, KEYS[variant], steps, work, cutoff=cutoff, overrides=cfg, env=env,
@@ -191,7 +186,8 @@ def main():
                     skipped.append(f"{name}:{variant}:r{r}(stopped at the deadline)")
                     continue
                 row.update(scenario=name, variant=variant, run=r, wall_s=round(walls[-1], 1), date=now(), session=session,
-                           card=gpu, versions=vers, smoke=smoke, steps=steps, cutoff_len=cutoff, **notes)
+                           card=gpu, versions=vers, smoke=smoke, steps=steps, cutoff_len=cutoff,
+                           setup=SCENARIOS[name]["setup"])
                 done.append(row)
                 dump_json(out, load_rows(out) + [row])  # a bare list, as the file has always been
                 print(f"[speed] {name} {variant} r{r}: rc {row['rc']}, {row.get('tokens_per_s') or 0:.0f} tokens/s, "

@@ -15,13 +15,12 @@ excess over it at cp 1, whole. Method, checks and limits: bench/RESULTS.md secti
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 
-from common import ROOT, commit, dump_json, load_rows, now, versions
+from common import ROOT, commit, dump_json, load_json, load_rows, now, versions
 
 V1 = os.path.join(ROOT, "bench", "v1.py")
 # name -> (bench/v1.py variant, modules_to_save [lm_head]; its --layer-units)
@@ -164,7 +163,7 @@ def main() -> None:
             checks.append(dict(variant=variant, llamafactory=LF, cp_size=1, tokens=args.check_tokens,
                                depth=args.check_depth, twin_gib=p3["peak_gib"], extrapolated_gib=predicted,
                                residual_gib=predicted - p3["peak_gib"]))
-    old = json.load(open(args.out)) if os.path.exists(args.out) else {}
+    old = load_json(args.out, {})
     ours = lambda r: r.get("llamafactory") in (None, LF)  # noqa: E731 -- other LLaMA-Factory versions' rows are kept
     meta = old.get("meta", {})
     meta.update(twin=args.scale, depths=[d1, d2], h200_gib=H200_GIB,

@@ -67,9 +67,8 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
     out = os.path.join(work, tag)
     s = args.twin or 1
     cfg = dict(model=model, train_dataset=data, output_dir=out, micro_batch_size=args.micro_batch,
-               cutoff_len=args.cutoff // s,
-               max_steps=args.steps, learning_rate=1e-4, logging_steps=1, batching_workers=0,
-               dist_config={"name": "fsdp2"},
+               cutoff_len=args.cutoff // s, max_steps=args.steps, learning_rate=1e-4, logging_steps=1,
+               batching_workers=0, dist_config={"name": "fsdp2"},
                peft_config={"name": "lora", "r": max(1, 16 // s), "lora_alpha": max(1, 32 // s), "target_modules": "all",
                             "modules_to_save": mts})
     if args.cp > 1:
@@ -85,8 +84,7 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
     if args.smoke:
         cfg.update(bf16=False, enable_activation_checkpointing=False)
     path, result = out + ".yaml", out + ".json"
-    with open(path, "w") as f:
-        json.dump(cfg, f)
+    json.dump(cfg, open(path, "w"))
     for stale in [result] + [f"{result}.rank{r}" for r in range(1, args.cp)]:
         if os.path.exists(stale):
             os.remove(stale)
