@@ -19,6 +19,7 @@ from common import MODELS, ROOT, build, card, card_key, dump_json, load_rows, ru
 
 # Qwen2.5-7B's shape (untied head, vocab 152064) is the "Qwen2.5-shaped model" of the seed report
 REPRO_MODEL = "qwen2.5-7b"
+HEADS = ("llama3-8b", "qwen2.5-7b")  # the real heads at 16k tokens a GPU
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -29,10 +30,8 @@ def cpu_assets(work):
 
 
 def max_rel(a, b):
-    n = min(len(a), len(b))
-    if n == 0:
-        return None
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a[:n], b[:n]))
+    """The largest relative difference of ``a`` to ``b`` over their common steps (None without one)."""
+    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=None)
 
 
 def main():
@@ -70,7 +69,7 @@ def main():
         args.curve_steps, args.head_steps = min(args.curve_steps, 3), min(args.head_steps, 2)
     else:
         repro_model = curve_model = (build(args.work, REPRO_MODEL, MODELS[REPRO_MODEL], args.layers), MODELS[REPRO_MODEL])
-        head_models = [(build(args.work, name, spec, args.layers), spec) for name, spec in MODELS.items()] if "heads" in parts else []
+        head_models = [(build(args.work, n, MODELS[n], args.layers), MODELS[n]) for n in HEADS] if "heads" in parts else []
 
     rows = []
 

@@ -1,6 +1,6 @@
 """bench/ as a tool, read from its files (AST, nothing imported or run): no bench script builds a path into tests/
-(the CPU shims both use live in llamafactory_liger_fsdp/testing/), and every script a user reruns names the JSON it
-writes in its ``--out`` argument, so ``--help`` says where the rows go."""
+(the CPU shims both use live in llamafactory_liger_fsdp/testing/), every script a user reruns names the JSON it
+writes in its ``--out`` argument, so ``--help`` says where the rows go, and bench/*.py stays under 2,500 lines."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-LAUNCHERS = ("common.py", "lf_bench_launch.py", "v1_launch.py")  # imported or started by the scripts, no --out
+LAUNCHERS = ("common.py", "lf_bench_launch.py", "v1_launch.py", "step_profile.py")  # imported or started, no --out
+MAX_LINES = 2500  # the rule: bench/ is a tool, not a notebook (fold, share and compress before adding a script)
 
 
 def _code_strings(source: str) -> list[str]:
@@ -53,3 +54,9 @@ def test_each_script_names_its_output_json(name):
 def test_the_reach_check_can_fail(bad):
     assert _reaches_tests('"""Docstrings may name tests/test_x.py."""\n' + bad)
     assert not _reaches_tests('"""Docstrings may name tests/test_x.py."""\nx = 1\n')
+
+
+def test_bench_is_a_tool_not_a_notebook():
+    """``wc -l bench/*.py`` (newline characters) stays under MAX_LINES."""
+    counts = {p.name: p.read_bytes().count(b"\n") for p in sorted(BENCH.glob("*.py"))}
+    assert sum(counts.values()) < MAX_LINES, (sum(counts.values()), counts)
