@@ -107,7 +107,17 @@ MODELS = {
                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, layer="LlamaDecoderLayer"),
     "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0, layer="Qwen2DecoderLayer"),
+    # the small head-heavy models of issue 50 (their real shapes; untied head, as every model here)
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0, layer="Qwen2DecoderLayer"),
+    "gemma3-1b": dict(model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512,
+                      query_pre_attn_scalar=256, layer="Gemma3DecoderLayer"),  # softcap, norms: transformers' defaults
+    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1000000.0,
+                       layer="Qwen3DecoderLayer"),
 }
+DEPTH_LAYERS = {"llama3-8b": 32, "qwen2.5-0.5b": 24, "gemma3-1b": 26, "qwen3-1.7b": 28}  # each model's real depth
 VARIANTS = {
     "plain": {},
     "liger_fsdp_auto": {"liger_fsdp": True},  # the default backend (auto: triton_fast on CUDA, torch on CPU)
@@ -173,20 +183,20 @@ def filling_words(cutoff: int) -> int:
     return int(cutoff / 1.3)
 
 
-# the real-depth model of bench/depth.py (six 128k packs of data)
-DEPTH_MODEL = dict(name="llama3-8b-L32", spec="llama3-8b", layers=32, max_position=131072, rows=1400,
-                   answer_words=(300, 500))
+# bench/depth.py's real-depth models: six 128k packs of data each
+DEPTH_DATA = dict(max_position=131072, rows=1400, answer_words=(300, 500))
 
 
-def build_depth_model(work: str) -> str:
-    """WORK/llama3-8b-L32 (``DEPTH_MODEL``), built once in a process of its own; returns its directory."""
-    d = DEPTH_MODEL
-    mdir = os.path.join(work, d["name"])
+def build_depth_model(work: str, spec: str = "llama3-8b") -> str:
+    """WORK/<spec>-L<layers> (``MODELS[spec]`` at ``DEPTH_LAYERS[spec]``, ``DEPTH_DATA``), built once in a process
+    of its own; returns its directory."""
+    d, name = DEPTH_DATA, f"{spec}-L{DEPTH_LAYERS[spec]}"
+    mdir = os.path.join(work, name)
     if not os.path.exists(os.path.join(mdir, "model", "config.json")):
         t0 = time.monotonic()
-        subprocess.run([sys.executable, os.path.abspath(__file__), "build", work, d["name"], "--spec", d["spec"],
-                        "--layers", str(d["layers"]), "--max-position", str(d["max_position"]), "--rows", str(d["rows"]),
-                        "--answer-words", *map(str, d["answer_words"])], check=True)
+        subprocess.run([sys.executable, os.path.abspath(__file__), "build", work, name, "--spec", spec,
+                        "--layers", str(DEPTH_LAYERS[spec]), "--max-position", str(d["max_position"]), "--rows",
+                        str(d["rows"]), "--answer-words", *map(str, d["answer_words"])], check=True)
         print(f"[bench] built {mdir} in {time.monotonic() - t0:.0f} s", flush=True)
     return mdir
 
@@ -314,7 +324,7 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
         return row
     res = json.load(open(res_path))
     steps = res["steps"]
-    times = [s["s"] for s in steps[1:]] or [s["s"] for s in steps]
+    times = [s["s"] for s in steps[1:] if not s.get("profiled")] or [s["s"] for s in steps]
     seen = [s["tokens_seen"] for s in steps]
     # tokens_seen counts every rank's tokens
     per_step = (seen[-1] - seen[0]) / max(len(seen) - 1, 1) if seen[-1] else cutoff * nproc
@@ -324,7 +334,7 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
                tokens_per_step=per_step, step_s=statistics.median(times), tokens_per_s=per_step / statistics.median(times),
                tokens_per_s_per_gpu=per_step / statistics.median(times) / nproc,
                peak_gib=max(s["peak_mib"] for s in res["steps"]) / 1024, losses=res["losses"],
-               step_losses=res.get("step_losses"), twin_live=res.get("live_at_peak"),
+               step_losses=res.get("step_losses"), twin_live=res.get("live_at_peak"), profile=res.get("profile"),
                twin_live_setup=res.get("live_at_setup"),
                peak_gib_per_rank=[m / 1024 for m in res.get("peak_mib_per_rank", [])],
                **{f"{phase}_peak_gib": max(s.get(f"{phase}_peak_mib", 0) for s in steps) / 1024

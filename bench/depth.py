@@ -1,7 +1,8 @@
 """Real-depth LLaMA-Factory runs on one GPU (world size 1), plain against the plugin, one JSON row per run appended to
 ``--out`` (``{card}``: the card's short name, so each card has its own file).
 
-Parts: ``sft`` -- the Llama-3-8B shape at its 32 layers, packing; variants plain, liger, plugin, plugin+liger,
+Parts: ``sft`` -- the Llama-3-8B shape at its 32 layers (``--model``: Qwen2.5-0.5B, Gemma 3 1B or Qwen3-1.7B at
+their real depth), packing; variants plain, liger, plugin, plugin+liger,
 plugin-lean(+liger), plugin-noguard; ``--sharding`` fsdp2, zero3 or zero3-persist. ``dpo`` -- the same model, sigmoid,
 one pair a step filling the cutoff a side. ``vlm`` -- the Qwen2.5-VL-7B shape (28 layers, its vision tower), one
 448 x 448 image a sample. Every run: bench/common.py's ``run`` (LoRA r16 all + embed_tokens,lm_head, bf16, checkpointing).
@@ -10,6 +11,7 @@ card's table and ratios (``--plot``: sft's charts beside --out). Setup and findi
 
     python bench/depth.py sft --variants plain,liger,plugin,plugin+liger --cutoffs 32768 --search
     python bench/depth.py sft --variants plugin --cutoffs 16384,32768 --sharding zero3 --steps 8
+    python bench/depth.py sft --model gemma3-1b --cutoffs 16384 --profile 5 --steps 6   # step 5's torch profile
     python bench/depth.py dpo --cutoffs 2048,8192 --runs 2      # vlm: --cutoffs 8192,16384
     python bench/depth.py table --out bench/results/h100_depth.json --plot
     python bench/depth.py dpo --smoke --runs 1 --cutoffs 128    # CPU plumbing check: tiny models, fp32, no FSDP
@@ -26,10 +28,11 @@ import sys
 import tempfile
 import time
 
-from common import (DEPTH_MODEL, MODELS, ROOT, SMOKE_CFG, SMOKE_ENV, append_row, build_depth_model, card, card_key,
+from common import (DEPTH_LAYERS, MODELS, ROOT, SMOKE_CFG, SMOKE_ENV, append_row, build_depth_model, card, card_key,
                     ds_json, filling_words, load_rows, now, preflight, run, tiny_assets, versions)
+from step_profile import profile_line
 
-LADDER = (4096, 8192, 16384, 32768, 65536, 131072)  # the top is DEPTH_MODEL's max_position
+LADDER = (4096, 8192, 16384, 32768, 65536, 131072)  # the top is DEPTH_DATA's max_position
 VARIANTS = {  # row variant -> (bench/common.py's VARIANTS key, extra yaml keys)
     "plain": ("plain", {}), "liger": ("liger", {}), "plugin": ("liger_fsdp_auto", {}),
     "plugin+liger": ("liger+liger_fsdp", {}), "plugin-lean": ("liger_fsdp", {}),
@@ -97,14 +100,14 @@ def setup(args, cutoff: int) -> tuple[str, dict, dict]:
             dataset="tiny_mm", dataset_dir=data, template="qwen2_vl", packing=False, image_max_pixels=side * side,
             image_min_pixels=side * side, preprocessing_num_workers=1)
     mdir = tiny_assets(os.path.join(args.work, "smoke"), "--rows", 200, "--answer-words", 6, 24) if args.smoke else \
-        build_depth_model(args.work)
+        build_depth_model(args.work, args.model)
     if args.part == "dpo":  # pairs whose answers fill the cutoff a side; random weights: a small step
         words = filling_words(cutoff)
         data = tiny_assets(os.path.join(args.work, f"dpo_data_{cutoff}"), "--no-model", "--rows", 32, "--answer-words",
                            words, words + 200)
-        return mdir, MODELS["llama3-8b"], dict(stage="dpo", dataset="tiny_pairs", dataset_dir=os.path.join(data, "data"),
+        return mdir, MODELS[args.model], dict(stage="dpo", dataset="tiny_pairs", dataset_dir=os.path.join(data, "data"),
                                                pref_beta=0.1, pref_loss="sigmoid", packing=False, learning_rate=1e-6)
-    return mdir, MODELS["llama3-8b"], {"dataset": "tiny_alpaca",
+    return mdir, MODELS[args.model], {"dataset": "tiny_alpaca",
                                        "tokenized_path": os.path.join(mdir, f"tokenized_sft_{cutoff}")}
 
 
@@ -116,7 +119,7 @@ def one_run(args, meta, variant, cutoff, nrun, timeout) -> dict | None:
     mdir, spec, cfg = setup(args, cutoff)
     key, extra = VARIANTS[variant]
     cfg.update(extra)
-    env = {}
+    env = {"LF_BENCH_PROFILE": str(args.profile)} if args.profile else {}
     if args.sharding != "fsdp2" and not args.smoke:
         persistence = 1e11 if args.sharding == "zero3-persist" else None
         cfg.update(fsdp=None, fsdp_config=None, deepspeed=ds_json(args.work, persistence=persistence))
@@ -125,13 +128,13 @@ def one_run(args, meta, variant, cutoff, nrun, timeout) -> dict | None:
         env.update(SMOKE_ENV)
     t0 = time.monotonic()
     row = run(mdir, spec, key, args.steps, args.work, cutoff=cutoff, overrides=cfg, env=env, timeout=timeout,
-              tag=f"{args.part}_{args.sharding}_{variant}_{cutoff}_r{nrun}")
+              tag=f"{args.part}_{args.model}_{args.sharding}_{variant}_{cutoff}_r{nrun}")
     if str(row.get("error", "")).startswith("timeout") and args.deadline:
         return None
     done = len(row.get("step_times") or [])
     fits = not row.get("rc") and done == args.steps
-    model = {"sft": "llama3-8b", "dpo": "llama3-8b", "vlm": "qwen2.5-vl-7b"}[args.part]
-    layers = QWEN25_VL_7B["text"]["num_hidden_layers"] if args.part == "vlm" else DEPTH_MODEL["layers"]
+    model = "qwen2.5-vl-7b" if args.part == "vlm" else args.model
+    layers = QWEN25_VL_7B["text"]["num_hidden_layers"] if args.part == "vlm" else DEPTH_LAYERS[args.model]
     out = dict(model=model if not args.smoke else f"tiny-{args.part}", layers=layers if not args.smoke else 2,
                stage="dpo" if args.part == "dpo" else "sft", sharding=args.sharding, variant=variant, cutoff=cutoff,
                images=int(args.part == "vlm"), fits=fits, tokens_per_s=row.get("tokens_per_s") if fits else None,
@@ -141,10 +144,15 @@ def one_run(args, meta, variant, cutoff, nrun, timeout) -> dict | None:
                tokens_per_step=row.get("tokens_per_step"), wall_s=round(time.monotonic() - t0, 1),
                **{f"{p}_peak_gib": row.get(f"{p}_peak_gib") for p in ("setup", "between", "forward", "backward", "optimizer")},
                **{k: row.get(k) for k in ("engaged", "guard", "memory_line", "liger_line", "cast")},
-               log_tail=None if fits else row.get("log_tail"), smoke=args.smoke, **meta)
+               log_tail=None if fits else row.get("log_tail"), smoke=args.smoke, profile=row.get("profile"), **meta)
     if args.part != "sft":
         out["part"] = args.part
     return out
+
+
+def rows_model(args) -> str:
+    """The ``model`` this run's rows carry."""
+    return f"tiny-{args.part}" if args.smoke else "qwen2.5-vl-7b" if args.part == "vlm" else args.model
 
 
 def mine(rows, part, smoke):
@@ -171,7 +179,8 @@ def measure(args, out) -> None:
             skipped.append(f"{variant}:{short(cutoff)}")
             return None
         same = [r["run"] for r in load_rows(out) if (r.get("part", "sft"), bool(r.get("smoke")), r["sharding"],
-                r["variant"], r["cutoff"]) == (args.part, args.smoke, args.sharding, variant, cutoff)]  # superseded too
+                r["variant"], r["cutoff"], r["model"]) == (args.part, args.smoke, args.sharding, variant, cutoff,
+                                                           rows_model(args))]  # superseded too
         print(f"[depth] {args.part} {args.sharding} {variant} {short(cutoff)} x{args.steps} ({elapsed:.0f} s in)",
               flush=True)
         row = one_run(args, meta, variant, cutoff, 1 + max(same, default=0),
@@ -229,13 +238,13 @@ def card_name(row) -> str:
 
 
 def report(all_rows, part) -> None:
-    """Per card: runs per (sharding, variant) and cutoff (tokens/s of each run @ median peak GiB), then the targets:
-    each variant's longest cutoff, the plugin against its baseline, step-1 losses."""
-    for gpu in sorted({card_name(r) for r in all_rows}):
-        rows = [r for r in all_rows if card_name(r) == gpu]
+    """Per card and model: runs per (sharding, variant) and cutoff (tokens/s of each run @ median peak GiB), then the
+    targets: each variant's longest cutoff, the plugin against its baseline, step-1 losses; the step profiles."""
+    for gpu, model in sorted({(card_name(r), r["model"]) for r in all_rows}):
+        rows = [r for r in all_rows if (card_name(r), r["model"]) == (gpu, model)]
         keys = sorted({(r["sharding"], r["variant"]) for r in rows}, key=lambda k: (k[0], list(VARIANTS).index(k[1])))
         cuts = sorted({r["cutoff"] for r in rows})
-        print(f"\n{part} on {gpu}\n| sharding | variant | longest | " + " | ".join(map(short, cuts)) + " |")
+        print(f"\n{part}, {model}, on {gpu}\n| sharding | variant | longest | " + " | ".join(map(short, cuts)) + " |")
         print("|---|---|---|" + "---|" * len(cuts))
         for sharding, variant in keys:
             cells = []
@@ -250,6 +259,9 @@ def report(all_rows, part) -> None:
         print("targets:")
         for line in targets(rows):
             print("  " + line)
+        for r in rows:
+            if r.get("profile"):
+                print(f"  profile {r['variant']} {short(r['cutoff'])} r{r['run']}: {profile_line(r['profile'])}")
 
 
 def targets(rows) -> list[str]:
@@ -283,23 +295,28 @@ def targets(rows) -> list[str]:
     return out
 
 
+TITLES = {"llama3-8b": "Llama-3-8B", "qwen2.5-0.5b": "Qwen2.5-0.5B", "gemma3-1b": "Gemma 3 1B (text)",
+          "qwen3-1.7b": "Qwen3-1.7B"}
 COLORS = {"plain": "tab:gray", "liger": "tab:orange", "plugin": "tab:blue", "plugin+liger": "tab:green",
           "plugin-lean": "tab:cyan", "plugin-lean+liger": "tab:olive", "plugin-noguard": "tab:purple"}
 
 
 def plot(all_rows, out) -> None:
-    """sft's charts per card beside --out: <card>_depth_longest.png, <card>_depth_tokens.png."""
+    """sft's charts per card and model beside --out: <card>_depth[_<model>]_longest.png, ..._tokens.png (no model
+    part for Llama-3-8B)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for gpu in sorted({card_name(r) for r in all_rows}):
-        rows = [r for r in all_rows if card_name(r) == gpu and r["sharding"] != "zero3-persist"]
+    for gpu, model in sorted({(card_name(r), r["model"]) for r in all_rows}):
+        rows = [r for r in all_rows if (card_name(r), r["model"]) == (gpu, model) and r["sharding"] != "zero3-persist"]
+        title = f"{TITLES.get(model, model)}, {rows[0]['layers']} layers"
         full = rows[0].get("card") or ""
         mib = full.split(",")[1].split()[0] if full.count(",") >= 1 else ""
         capacity = int(mib) / 1024 if mib.isdigit() else None
-        prefix = os.path.join(os.path.dirname(os.path.abspath(out)), f"{card_key(full)}_depth")
+        prefix = os.path.join(os.path.dirname(os.path.abspath(out)),
+                              f"{card_key(full)}_depth" + ("" if model == "llama3-8b" else f"_{model}"))
         variants = [v for v in VARIANTS if any(r["variant"] == v and r["sharding"] == "fsdp2" for r in rows)]
         ladder = [c for c in LADDER if c >= min(r["cutoff"] for r in rows)]
         searched = [v for v in variants if v != "plugin-noguard"]  # noguard times step 1 at one cutoff
@@ -320,7 +337,7 @@ def plot(all_rows, out) -> None:
         ax.set_xlim(math.log2(ladder[0]) - 0.5, math.log2(ladder[-1]) + 3.2)
         ax.invert_yaxis()
         ax.set_xlabel("longest cutoff_len that trains (x: first that does not)")
-        ax.set_title(f"Llama-3-8B, 32 layers, FSDP2, one {gpu}: longest context", fontsize=10)
+        ax.set_title(f"{title}, FSDP2, one {gpu}: longest context", fontsize=10)
         fig.tight_layout()
         fig.savefig(prefix + "_longest.png", dpi=120)
         plt.close(fig)
@@ -346,7 +363,7 @@ def plot(all_rows, out) -> None:
         a1.set_ylabel("tokens/s (median of runs; steps 2..n)")
         a2.set_ylabel("peak GiB (max_memory_allocated)")
         a1.legend(fontsize=8)
-        fig.suptitle(f"Llama-3-8B, 32 layers, LoRA r16 all + embed/head copies, bf16, one {gpu}", fontsize=10)
+        fig.suptitle(f"{title}, LoRA r16 all + embed/head copies, bf16, one {gpu}", fontsize=10)
         fig.tight_layout()
         fig.savefig(prefix + "_tokens.png", dpi=120)
         plt.close(fig)
@@ -361,6 +378,9 @@ def main():
     ap.add_argument("--search", action="store_true", help="sft: the longest cutoff each variant trains, from --cutoffs")
     ap.add_argument("--max-cutoff", type=int, default=LADDER[-1], help="the search's top (default 131072)")
     ap.add_argument("--sharding", choices=["fsdp2", "zero3", "zero3-persist"], default="fsdp2")
+    ap.add_argument("--model", choices=list(DEPTH_LAYERS), default="llama3-8b", help="sft / dpo: the model shape")
+    ap.add_argument("--profile", type=int, default=0, help="the torch profile of this step of each run (its time "
+                    "left out of tokens/s); bench/step_profile.py")
     ap.add_argument("--runs", type=int, default=1, help="runs at each cutoff (order alternating)")
     ap.add_argument("--steps", type=int, default=None, help="default 5 (dpo / vlm 6, smoke 3)")
     ap.add_argument("--deadline", type=float, default=None, help="seconds from the start; no run starts past it")

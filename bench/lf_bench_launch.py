@@ -6,7 +6,8 @@ Per step, rank 0's wall time (device-synchronised), peak ``max_memory_allocated`
 the set-up -- and per phase), the unrounded losses ``training_step`` returned (mean over ranks) and every rank's
 peak; save_model is skipped. Environment: ``LF_BENCH_LIGER_LOSS_ONLY=1`` (CPU smoke: Liger's fused loss only, its
 other kernels do not run interpreted); ``LF_BENCH_TWIN=s`` (the CPU memory twin,
-bench/common.py: CPU allocation peaks, ``live_at_peak`` / ``live_at_setup``)."""
+bench/common.py: CPU allocation peaks, ``live_at_peak`` / ``live_at_setup``); ``LF_BENCH_PROFILE=k`` (step k under the
+torch profiler, bench/step_profile.py: ``profile``)."""
 
 import json
 import os
@@ -16,6 +17,7 @@ import torch
 from torch.autograd.profiler import record_function
 from transformers import TrainerCallback
 
+import step_profile
 from common import TWIN_ENV, AllocationTimeline, StepClock, peak_mib, twin_peaks, twin_setup
 
 
@@ -31,8 +33,10 @@ class BenchCallback(TrainerCallback):
         self.run_peak = 0.0
         self.phase = {}
         self.twin_prof = None  # LF_BENCH_TWIN: the run's allocation profile
+        self.prof = self.profile = None  # LF_BENCH_PROFILE (bench/step_profile.py)
 
     def on_step_begin(self, args, state, control, **kw):
+        self.prof = step_profile.start() if step_profile.wanted() == state.global_step + 1 else None
         self.clock.begin()  # the peak since the last step's optimizer step; at step 1: the set-up
         self.run_peak = max(self.run_peak, self.clock.before)
         self.phase = {"before_peak_mib": self.clock.before}
@@ -53,6 +57,8 @@ class BenchCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):
         elapsed, peak = self.clock.end()
+        if self.prof is not None:  # LF_BENCH_PROFILE: this step's time is left out of tokens/s
+            self.profile, self.phase["profiled"] = step_profile.summary(self.prof, elapsed), True
         self.run_peak = max(self.run_peak, peak)
         self.steps.append({"s": elapsed, "peak_mib": self.run_peak, **self.phase,
                            "tokens_seen": int(getattr(state, "num_input_tokens_seen", 0) or 0)})
@@ -78,7 +84,7 @@ class BenchCallback(TrainerCallback):
             n = min(len(r["step_losses"]) for r in every)
             with open(self.out, "w") as f:
                 json.dump({"steps": self.steps, "losses": self.losses,
-                           "live_at_peak": live, "live_at_setup": live_setup,
+                           "live_at_peak": live, "live_at_setup": live_setup, "profile": self.profile,
                            "step_losses": [sum(r["step_losses"][i] for r in every) / len(every) for i in range(n)],
                            "peak_mib_per_rank": [r["peak_mib"] for r in every]}, f)
 
@@ -129,6 +135,8 @@ def main():
     accelerate.Accelerator.backward = timed_backward
     if os.environ.get("LF_BENCH_LIGER_LOSS_ONLY") == "1":
         _liger_loss_only()
+    if step_profile.wanted():
+        step_profile.install()
     from llamafactory.train.tuner import run_exp
 
     callback = BenchCallback(out, micro)

@@ -1,6 +1,7 @@
 """The real-depth benchmark (`bench/depth.py dpo|vlm --smoke`) on the CPU: plain and plugin runs through the bench
 launcher, so the script a GPU call needs keeps working. The rows carry the depth table's keys, the engaged line, and
-the guard line of each plugin run: exact on the DPO policy's first log-probs and on the VLM's images."""
+the guard line of each plugin run: exact on the DPO policy's first log-probs and on the VLM's images; and step 2's
+profile (bench/step_profile.py), left out of tokens/s, with the host's time in the plugin's head path (none in plain)."""
 
 import json
 import os
@@ -22,7 +23,7 @@ def test_depth_dpo_vlm_smoke(tmp_path, part):
     out = tmp_path / "rows.json"
     env = dict(os.environ, PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "depth.py"), part, "--smoke", "--runs", "1",
-                           "--cutoffs", "128", "--work", str(tmp_path), "--out", str(out)],
+                           "--cutoffs", "128", "--work", str(tmp_path), "--out", str(out), "--profile", "2"],
                           capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
@@ -37,3 +38,7 @@ def test_depth_dpo_vlm_smoke(tmp_path, part):
     if part == "vlm":
         assert "(decoder on the whole micro-batch)" in plugin["guard"]  # pixel values and grids went in
     assert "targets:" in proc.stdout
+    assert plain["profile"]["head_cpu_ms"] == 0 < plugin["profile"]["head_cpu_ms"] < plugin["profile"]["step_ms"]
+    assert "profile plugin 128 r1: step" in proc.stdout
+    times = plugin["step_times"]  # 3 steps; step 2 profiled: tokens/s from step 3 alone
+    assert plugin["step_s"] == times[2], times

@@ -1,0 +1,114 @@
+"""One training step under the torch profiler (``LF_BENCH_PROFILE=k`` in a bench/lf_bench_launch.py run: step k), its
+GPU time split by who launched it, so a change to the plugin's step shows where the time went:
+
+- ``kernel``: the fused loss, forward (inside ``ops.fused_linear_cross_entropy``) and backward (its autograd Function);
+- ``gather``: the head's weights through its FSDP unit (``gather.call_through`` and FSDP's own ranges named for the
+  head, forward and backward), the kernel left out;
+- ``head_rest``: the rest of the plugin's head path (``HeadLoss.loss`` / ``token_logps``: labels, casts, the mean);
+- ``rest``: everything else (decoder forward and backward, the layers' FSDP, the optimizer).
+Beside them: the step's wall time, the GPU's busy time (union of its kernels) and idle time, and the host syncs the
+plugin's head path made and the host's time in it (``head_cpu_ms``). Plain and Liger runs get the same totals (no
+plugin ranges)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+SCOPES = {"liger_fsdp.kernel": "kernel", "liger_fsdp.gather": "gather", "liger_fsdp.head": "head_rest"}
+BACKWARD = "FLCEBackward"  # the ops' autograd Functions: _FastFLCE, _LeanFLCE, _StoredDzFLCE, _TorchFLCE
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def wanted() -> int:
+    """The step to profile (0: none)."""
+    return int(os.environ.get("LF_BENCH_PROFILE") or 0)
+
+
+def install() -> None:
+    """Name the plugin's head path for the profiler: a ``record_function`` around three of its functions."""
+    from torch.profiler import record_function
+
+    from llamafactory_liger_fsdp import gather, losses, ops
+
+    def named(owner, attr, label):
+        fn = getattr(owner, attr)
+
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with record_function(label):
+                return fn(*args, **kwargs)
+
+        setattr(owner, attr, wrapped)
+
+    named(ops, "fused_linear_cross_entropy", "liger_fsdp.kernel")
+    named(gather, "call_through", "liger_fsdp.gather")
+    named(losses.HeadLoss, "loss", "liger_fsdp.head")
+    named(losses.HeadLoss, "token_logps", "liger_fsdp.head")
+
+
+def start():
+    import torch
+
+    act = torch.profiler.ProfilerActivity
+    prof = torch.profiler.profile(activities=[act.CPU] + [act.CUDA] * torch.cuda.is_available())
+    prof.__enter__()
+    return prof
+
+
+def bucket(evt) -> str | None:
+    """The bucket of a CPU event's own kernels: that of its nearest named ancestor (itself included)."""
+    while evt is not None:
+        name = evt.name
+        if name in SCOPES:
+            return SCOPES[name]
+        if name.endswith(BACKWARD):
+            return "kernel"
+        if name.startswith("FSDP::") and "lm_head" in name:
+            return "gather"
+        evt = evt.cpu_parent
+    return None
+
+
+def summary(prof, wall_s: float, top: int = 12) -> dict:
+    """Stop ``prof``; the step's buckets (ms of GPU time), busy / idle ms, the head path's syncs, its top kernels."""
+    from torch.autograd import DeviceType
+
+    prof.__exit__(None, None, None)
+    events = prof.events()
+    ms = {"kernel": 0.0, "gather": 0.0, "head_rest": 0.0, "rest": 0.0}
+    kernels, syncs, head_cpu = {}, {"count": 0, "cpu_ms": 0.0}, 0.0
+    for evt in events:
+        if evt.device_type != DeviceType.CPU or evt.is_async:
+            continue
+        where = bucket(evt)
+        if evt.name == "liger_fsdp.head" and bucket(evt.cpu_parent) is None:  # outermost: the host's time in the path
+            head_cpu += evt.cpu_time_total / 1e3
+        if where and evt.name.startswith(SYNCS):
+            syncs["count"] += 1
+            syncs["cpu_ms"] += evt.cpu_time_total / 1e3
+        for k in evt.kernels:
+            ms[where or "rest"] += k.duration / 1e3
+            if where:
+                key = (where, k.name[:90])
+                kernels[key] = kernels.get(key, 0.0) + k.duration / 1e3
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:  # the union of the GPU's intervals
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
+    busy_ms = busy / 1e3
+    return dict(step_ms=round(wall_s * 1e3, 2), gpu_busy_ms=round(busy_ms, 2),
+                gpu_idle_ms=round(wall_s * 1e3 - busy_ms, 2), **{f"{k}_ms": round(v, 3) for k, v in ms.items()},
+                plugin_ms=round(ms["kernel"] + ms["gather"] + ms["head_rest"], 3), head_syncs=syncs,
+                head_cpu_ms=round(head_cpu, 3),
+                top=[dict(bucket=b, kernel=n, ms=round(v, 3))
+                     for (b, n), v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]])
+
+
+def profile_line(p: dict) -> str:
+    """One line of a row's ``profile``."""
+    return (f"step {p['step_ms']:.0f} ms, GPU busy {p['gpu_busy_ms']:.0f} (idle {p['gpu_idle_ms']:.0f}); plugin "
+            f"{p['plugin_ms']:.1f} = kernel {p['kernel_ms']:.1f} + gather {p['gather_ms']:.1f} + head rest "
+            f"{p['head_rest_ms']:.1f}; rest {p['rest_ms']:.0f}; head syncs {p['head_syncs']['count']}, host "
+            f"{p['head_cpu_ms']:.1f} ms")
