@@ -7,13 +7,10 @@ with them), loss / dX / dW error against an fp32 reference from the same inputs,
 6 N_valid H V flops at the card's bf16 matmul rate measured in the run (short bursts; ``_sustained``: back to back).
 ``--check``: real-size correctness of every backend against float64 beside plain torch and the rounding floor
 (reductions, label smoothing, softcap, fp16, fp32, large logits, determinism, bad labels, the forward alone).
-``--variants``: issue 50's A/B of the fused logits GEMM (ops/triton_fused.py): the phases of one 3072-row chunk per
-shape, then the benchmark per ``VARIANTS`` entry at 25% ignored, ``--check-out``'s grid with the fused paths forced
-on, ``--small-variants`` at 0% / 50%. ``--table`` prints --out's table; ``{card}`` in --out: h200, h100, ...
+``--table`` prints --out's table; ``{card}`` in --out: h200, h100, ...
 
     python bench/bench_flce.py [--out bench/results/{card}_kernel3.json] [--deadline 290] [--impls ...,torch_chunked]
     python bench/bench_flce.py --check [--out bench/results/{card}_kernel3_check.json]
-    python bench/bench_flce.py --variants all|fast,lean,... [--check-out F] [--out {card}_kernel4_variants.json]
     python bench/bench_flce.py --table --out bench/results/h200_kernel3.json
 """
 
@@ -35,31 +32,12 @@ from llamafactory_liger_fsdp.testing import rel
 MIB = 1024 * 1024
 SHAPES = "8192,4096,128256;16384,4096,128256;16384,3584,152064;32768,4096,128256;8192,8192,128256;8192,3840,262208"
 IMPLS = ["project", "project_fast", "liger", "torch", "torch_chunked"]  # project: the lean `triton` backend
-BIG = 1 << 30
-VARIANTS = {  # --variants: name -> (backend, triton_fused.RULES, FAST_CHUNK_ROWS, RECOMPUTE_ROWS_X)
-    "fast": ("triton_fast", [], 3072, 2), "fast_c6k": ("triton_fast", [], 6144, 2),
-    "fast_stats": ("triton_fast", [(BIG, "stats", False)], 3072, 2),
-    "fast_rec": ("triton_fast", [(BIG, "recompute", False)], 3072, 2),
-    "fast_rec_x4": ("triton_fast", [(BIG, "recompute", False)], 3072, 4),
-    "lean": ("triton", [], 3072, 2), "lean_fused": ("triton", [(BIG, None, True)], 3072, 2),
-}
-VARIANT_SHAPES = "16384,896,151936;16384,1152,262144;16384,2048,151936;16384,4096,128256"
 TORCH_CHUNK = 4096
 T0 = time.time()
-DEFAULTS = []  # the ops' own constants, before any variant set them
+
 
 
 # --------------------------------------------------------------------------- implementations
-def set_variant(name):
-    """The ops' constants of variant ``name`` (None: their own); the backend to call."""
-    from llamafactory_liger_fsdp.ops import triton_common as tc
-    from llamafactory_liger_fsdp.ops import triton_fused as tf
-
-    DEFAULTS[:] = DEFAULTS or [(None, tf.RULES, tc.FAST_CHUNK_ROWS, tf.RECOMPUTE_ROWS_X)]
-    backend, tf.RULES, tc.FAST_CHUNK_ROWS, tf.RECOMPUTE_ROWS_X = VARIANTS[name] if name else DEFAULTS[0]
-    return backend
-
-
 def chunk_step(h, w, y, scale):
     """One chunk of the torch chunked loss: logits upcast to fp32 (the model's GEMM), the CE summed over valid rows,
     dz = (softmax - onehot) x ``scale`` in the inputs' dtype, and the chunk's dX and dW."""
@@ -96,10 +74,10 @@ class TorchChunked(torch.autograd.Function):
 
 
 def make_impl(name):
-    if name in ("project", "project_fast") or name in VARIANTS:
+    if name in ("project", "project_fast"):
         from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
 
-        backend = set_variant(name if name in VARIANTS else None) or {"project": "triton"}.get(name, "triton_fast")
+        backend = "triton" if name == "project" else "triton_fast"
         return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend=backend)
     if name == "torch":
         return lambda h, w, y: torch.nn.functional.cross_entropy((h @ w.t()).float(), y, ignore_index=-100)
@@ -211,8 +189,6 @@ def bench_impl(name, shape, rate, reps, warmup, ref, ignore=0.25):
     row = {"impl": name, "N": n, "H": hd, "V": v, "shape": [n, hd, v], "ignored_frac": ignore, "n_valid": n_valid,
            "matmul_tflops": rate, "floor_ms": 6 * n * hd * v / (rate * 1e12) * 1e3,
            "floor_valid_ms": 6 * n_valid * hd * v / (rate * 1e12) * 1e3}
-    if name in VARIANTS:
-        row["variant"] = list(VARIANTS[name][1:])
     try:
         fn = make_impl(name)
         loss = run_once(fn, h, w, y)  # compile / autotune
@@ -333,81 +309,6 @@ def _extra_checks(out_rows, out_path):
                                       "forward_peak_mib": (torch.cuda.max_memory_allocated() - base) / MIB})
 
 
-# --------------------------------------------------------------------------- --variants: issue 50's A/B
-def phases(shape, c=3072):
-    """ms of each step of one c-row chunk (triton.testing.do_bench, median, L2 flushed between runs)."""
-    import triton
-
-    from llamafactory_liger_fsdp.ops import triton_common as tc
-    from llamafactory_liger_fsdp.ops import triton_fused as tf
-    from llamafactory_liger_fsdp.ops import triton_kernels as tk
-
-    _, hd, v = shape
-    h, w, y = make_inputs(c, hd, v, ignore=0.0)
-    z = torch.empty(c, v, device="cuda", dtype=torch.float32)
-    dz16 = torch.empty(c, v, device="cuda", dtype=torch.bfloat16)
-    dh = torch.empty(c, hd, device="cuda", dtype=torch.float32)
-    acc = torch.zeros(v, hd, device="cuda", dtype=torch.float32)
-    tc.mm_f32(h, w.t(), out=z)
-    m, s, _, _ = tk.chunk_stats(z, y, None, 0.0)
-    inv_s = 1.0 / s
-    tk.launch_dz(z, dz16, m, inv_s, None, 0.0, v, 1.0)
-    steps = {
-        "cublas_logits": lambda: tc.mm_f32(h, w.t(), out=z),
-        "stats_pass": lambda: tk.chunk_stats(z, y, None, 0.0),
-        "dz_pass_inplace": lambda: tk.launch_dz_inplace(z, tk.dz_over(z, torch.bfloat16), m, inv_s, None, 0.0, v, 1.0),
-        "dh_gemm": lambda: tc.mm_f32(dz16, w, out=dh),
-        "dw_gemm_acc": lambda: tc.addmm_f32_(acc, dz16.t(), h),
-    }
-
-    def fused(epi, ws):
-        tf.CONFIG = tf.CONFIG[:6] + (ws,)
-        if epi == 2:
-            return tf.logits_dz(h, w, dz16, m, inv_s, None, 0.0, v, 1.0)
-        return tf.logits_stats(h, w, y, None, 0.0, z_out=z if epi == 1 else None)
-
-    for ws, tag in ((True, ""), (False, "_nows")):
-        for epi, name in enumerate(("fused_stats", "fused_stats_z", "fused_dz")):
-            steps[name + tag] = lambda e=epi, ws=ws: fused(e, ws)
-    rows = []
-    for name, fn in steps.items():
-        row = {"phase": name, "shape": [c, hd, v], "flops_gemm": 2 * c * hd * v}
-        tf._failed.clear()
-        try:
-            row["ms"] = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-            row["tflops"] = row["flops_gemm"] / row["ms"] / 1e9
-        except Exception as exc:  # noqa: BLE001 -- a variant that fails is reported, not hidden
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        if tf._failed:  # the fused kernel did not compile: its time is nothing's
-            row["error"] = tf._failed[0]
-            row.pop("ms", None)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    ws_ok = not any("error" in r for r in rows if r["phase"] in ("fused_stats", "fused_dz"))
-    tf.CONFIG = tf.CONFIG[:6] + (ws_ok,)  # the variants run with what compiled
-    tf._failed.clear()
-    ok = tf.logits_dz(h, w, dz16, m, inv_s, None, 0.0, v, 1.0)
-    ref = torch.empty_like(dz16)
-    tk.launch_dz(tc.mm_f32(h, w.t(), out=z), ref, m, inv_s, None, 0.0, v, 1.0)
-    rows.append({"phase": "fused_dz_vs_cublas_pass", "shape": [c, hd, v], "ran": ok,
-                 "max_abs_diff": float((dz16.float() - ref.float()).abs().max()), "failed": list(tf._failed)})
-    print(json.dumps(rows[-1]), flush=True)
-    return rows
-
-
-def check_fused(args, card, rows, out):
-    """The --check grid with the fused paths forced on (rows to --check-out), a summary row to ``rows``."""
-    if args.check_out and time.time() - T0 < args.deadline:
-        from llamafactory_liger_fsdp.ops import triton_fused
-
-        triton_fused.RULES, checks = [(BIG, "recompute", True)], []
-        check(checks, args.check_out.replace("{card}", card_key(card)))
-        worst = [max(c["err_dx"] / c["floor_dx"], c["err_dw"] / c["floor_dw"]) for c in checks if "err_dx" in c
-                 and c.get("floor_dx") and c["backend"] != "torch" and c["dtype"] != "float32"]
-        _say(rows, out, {"check_rules": triton_fused.RULES, "n_checks": len(checks), "worst_x_floor": max(
-            worst, default=None), "errors": [c for c in checks if "error" in c][:3]}, "check summary")
-
-
 # --------------------------------------------------------------------------- the sweep and its table
 def sweep(args, cases, rate, sustained, rows, out):
     """Each (shape, ignored fraction, implementations) of ``cases``: a row per implementation, to ``out``."""
@@ -429,17 +330,12 @@ def sweep(args, cases, rate, sustained, rows, out):
 
 
 def table(rows) -> None:
-    """Per shape and ignored fraction, each implementation's ms, floor, memory and errors (--variants: the phases)."""
+    """Per shape and ignored fraction, each implementation's ms, floor, memory and errors."""
     print(f"{'impl':14s} {'N x H x V':22s} {'ign':>4s} {'ms':>8s} {'floor_v':>7s} {'x_v':>5s} {'x_v sust':>8s} "
           f"{'MiB':>6s} {'MiB+g':>6s} {'err_dx':>8s} {'err_dw':>8s}")
     for r in rows:
         shape = "x".join(map(str, r.get("shape", [])))
-        if "phase" in r:
-            print(f"{r['phase']:23s} {shape:22s} {r.get('ms', math.nan):8.3f} ms "
-                  f"{r.get('tflops', r.get('max_abs_diff', math.nan)):8.1f} {r.get('error', '')[:60]}")
-        elif "check_rules" in r:
-            print("check:", json.dumps(r)[:600])
-        elif "impl" in r and "ms" not in r:
+        if "impl" in r and "ms" not in r:
             print(f"{r['impl']:14s} {shape:22s} {r.get('error', r.get('skipped', '?'))[:80]}")
         elif "impl" in r:
             print(f"{r['impl']:14s} {shape:22s} {r['ignored_frac']:4.2f} {r['ms']:8.2f} {r['floor_valid_ms']:7.2f} "
@@ -450,24 +346,17 @@ def table(rows) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="the rows' JSON (default bench/results/{card}_kernel3.json; "
-                    "--check: {card}_kernel3_check.json; --variants: {card}_kernel4_variants.json)")
-    ap.add_argument("--impls", default="project_fast,project,liger", help=f"of {','.join(IMPLS)} and VARIANTS")
-    ap.add_argument("--shapes", default=None, help=f"N,H,V;... (default {SHAPES}; --variants: {VARIANT_SHAPES})")
+                    "--check: {card}_kernel3_check.json)")
+    ap.add_argument("--impls", default="project_fast,project,liger", help=f"comma list of {','.join(IMPLS)}")
+    ap.add_argument("--shapes", default=SHAPES, help="N,H,V;...")
     ap.add_argument("--ignored", default="0,0.25,0.5", help="comma list of ignored-label fractions")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds from the start; what is left is skipped")
     ap.add_argument("--check", action="store_true", help="real-size correctness of every backend")
-    ap.add_argument("--variants", default=None, help=f"issue 50's A/B of these (of {','.join(VARIANTS)},liger; all: "
-                    "every one) at 25%% ignored, after the phases of one chunk at each shape")
-    ap.add_argument("--small-variants", default="fast,fast_stats,fast_rec,lean,lean_fused",
-                    help="--variants: then these at 0%% / 50%% ignored")
-    ap.add_argument("--check-out", default=None, help="--variants: also the --check grid with the fused paths forced "
-                    "on, rows to this JSON (after the 25%% rows)")
     ap.add_argument("--table", action="store_true", help="print the table of --out; run nothing")
     args = ap.parse_args()
-    args.variants = ",".join([*VARIANTS, "liger"]) if args.variants == "all" else args.variants
-    kind = "_kernel4_variants" if args.variants else "_kernel3_check" if args.check else "_kernel3"
+    kind = "_kernel3_check" if args.check else "_kernel3"
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "{card}" + kind + ".json")
     if args.table:
         return table(load_rows(out))
@@ -480,23 +369,11 @@ def main():
     meta["bf16_matmul_tflops"] = rate = matmul_tflops()
     meta["bf16_matmul_tflops_sustained"] = sustained = matmul_tflops(burst=40, reps=1)
     print(f"# {json.dumps(meta)}", flush=True)
-    shapes = [tuple(int(x) for x in s.split(",")) for s in (args.shapes or (VARIANT_SHAPES if args.variants else
-                                                                            SHAPES)).split(";")]
-    if not args.variants:
-        dump_json(out.replace(".json", "_meta.json"), meta)
-        rows = []
-        sweep(args, [(s, float(i), args.impls) for s in shapes for i in args.ignored.split(",")], rate, sustained, rows,
-              out)
-        return table(rows)
-    rows = [{"_meta": meta}]
-    for shape in shapes:
-        rows += phases(shape)
-        torch.cuda.empty_cache()
-        dump_json(out, rows)
-    sweep(args, [(s, 0.25, args.variants) for s in shapes], rate, sustained, rows, out)
-    check_fused(args, meta["card"], rows, out)
-    sweep(args, [(s, i, args.small_variants) for i in (0.0, 0.5) for s in shapes], rate, sustained, rows, out)
-    table(rows[1:])
+    dump_json(out.replace(".json", "_meta.json"), meta)
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
+    rows = []
+    sweep(args, [(s, float(i), args.impls) for s in shapes for i in args.ignored.split(",")], rate, sustained, rows, out)
+    table(rows)
 
 
 if __name__ == "__main__":
