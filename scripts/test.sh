@@ -14,8 +14,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 STACKS=${STACKS:-$([ $# -eq 0 ] && echo all || echo none)}
 t0=$SECONDS
-if [ "$STACKS" != none ]; then  # the stacks' venvs (mostly downloads) are built while the pinned tests run
-  bash scripts/test_stacks.sh prepare > .venv/stacks_prepare.log 2>&1 &
+if [ "$STACKS" != none ]; then  # the stacks' venvs (mostly downloads) are built while the pinned tests run, at the
+  # lowest CPU and disk priority: the pinned tests' launches keep the 2 cores, the downloads and unpacking take the gaps
+  idle=$(ionice -c 3 true 2>/dev/null && echo "ionice -c 3")
+  nice -n 19 $idle bash scripts/test_stacks.sh prepare > .venv/stacks_prepare.log 2>&1 &
   prepare=$!
 fi
 # DeepSpeed's JIT-built ops (its CPU shm collective) per venv: one shared cache would be rebuilt whenever the stacks'
