@@ -1,16 +1,9 @@
-"""LLaMA-Factory's v1 engine (``USE_V1=1``) on one GPU: v1's own training against the plugin (kernel ``liger_fsdp``),
-tokens/s and peak memory, one JSON row per run appended to ``--out`` (``{card}``: the card's short name).
-
-    python bench/v1.py [--variants plain,plain-head,plugin,plugin-head(,plugin-head-lean)] [--runs 2] [--steps 5]
-                       [--cutoff 16384] [--layers 2] [--micro-batch 1] [--cp 1] [--layer-units] [--offload]
-                       [--out bench/results/{card}_v1.json] [--deadline 540] [--smoke | --twin S]
-
-The Llama-3-8B shape at ``--layers`` (real 128k head, random weights), LoRA r16 on every linear layer +
-``modules_to_save`` (the seed's ``[lm_head, embed_tokens]``; ``-head``: ``[lm_head]``, which v1 alone trains under
-FSDP2), v1's FSDP2, bf16 and activation checkpointing, ``--micro-batch`` rows of ``--cutoff`` tokens a step; each run
-``torchrun bench/v1_launch.py``. ``--cp N``: Ulysses over N ranks (on the CPU, testing/cpu_ulysses.py's stand-ins).
-``--smoke``: CPU plumbing check (tiny model, fp32, gloo). ``--twin S``: the CPU memory twin (bench/common.py; rows to
-cpu_twin_v1.json, peaks are CPU bytes x S^2). Rows: bench/RESULTS.md sections 11, 12 and 14.
+"""LLaMA-Factory's v1 engine on one GPU: v1's own SFT against the plugin's kernel ``liger_fsdp``, tokens/s and peak
+memory, a JSON row per run appended to ``--out`` (``{card}``: the card's short name). The Llama-3-8B shape at
+``--layers`` (real 128k head), LoRA r16 on every linear layer + ``modules_to_save`` (the seed's ``[lm_head,
+embed_tokens]``; ``-head``: ``[lm_head]``), v1's FSDP2, bf16, checkpointing; each run ``bench/lf_bench_launch.py v1
+sft``. ``--cp N``: Ulysses over N ranks. ``--smoke``: CPU plumbing check (tiny model, fp32, gloo). ``--twin S``: the
+CPU memory twin (peaks CPU bytes x S^2). Setups and findings: bench/RESULTS.md sections 11, 12 and 14.
 """
 
 from __future__ import annotations
@@ -99,7 +92,7 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
         env.update({TWIN_ENV: str(args.twin), "TRITON_INTERPRET": "1",
                     "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.cp))})
     t0 = time.time()
-    rc, log, _ = torchrun(args.cp, [os.path.join(ROOT, "bench", "v1_launch.py"), "sft", path, result], env,
+    rc, log, _ = torchrun(args.cp, [os.path.join(ROOT, "bench", "lf_bench_launch.py"), "v1", "sft", path, result], env,
                           args.timeout, out + ".log")
     row = {"model": os.path.basename(os.path.dirname(model)), "variant": variant, "scenario": "v1_fsdp2_sft",
            "engine": "v1", "modules_to_save": mts, "cutoff_len": args.cutoff, "steps": args.steps,

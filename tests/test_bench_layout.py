@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-LAUNCHERS = ("common.py", "lf_bench_launch.py", "v1_launch.py", "step_profile.py")  # imported or started, no --out
+LAUNCHERS = ("common.py", "lf_bench_launch.py", "step_profile.py")  # imported or started, no --out
 MAX_LINES = 2500  # the rule: bench/ is a tool, not a notebook (fold, share and compress before adding a script)
 
 

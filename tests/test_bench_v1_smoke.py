@@ -1,5 +1,5 @@
 """The v1 benchmark (`bench/v1.py --smoke`) on the CPU: v1's own runs and the plugin's through the bench launcher
-(`bench/v1_launch.py`), so the script a GPU call needs keeps working. The rows carry what the v1 figure needs:
+(`bench/lf_bench_launch.py v1`), so the script a GPU call needs keeps working. The rows carry what the v1 figure needs:
 tokens/s, peak, step losses (the plugin's equal to v1's), the engaged and guard lines. With the seed's adapter the
 plugin trains whether or not v1 alone does (LLaMA-Factory 0.9.5's v1 shards the embedding copy twice and stops)."""
 
