@@ -1,13 +1,9 @@
 """Fused linear cross-entropy on one GPU, forward + backward: the plugin's two kernels against Liger (on request the
-unfused torch loss and ``torch_chunked``, TRL's / LLaMA-Factory's chunked loss). Rows to JSON one by one.
-
-Benchmark (default), per shape and ignored-label fraction (bf16): ms (CUDA events, 3 warm-ups, median of 10), peak
-memory beyond the inputs (``peak_extra_mib`` without the dX, dW every implementation returns, ``peak_total_extra_mib``
-with them), loss / dX / dW error against an fp32 reference from the same inputs, and ``x_valid_floor`` = ms over
-6 N_valid H V flops at the card's bf16 matmul rate measured in the run (short bursts; ``_sustained``: back to back).
-``--check``: real-size correctness of every backend against float64 beside plain torch and the rounding floor
-(reductions, label smoothing, softcap, fp16, fp32, large logits, determinism, bad labels, the forward alone).
-``--table`` prints --out's table; ``{card}`` in --out: h200, h100, ...
+unfused torch loss and ``torch_chunked``, TRL's / LLaMA-Factory's chunked loss), rows to JSON one by one. Per shape
+and ignored-label fraction (bf16): ms, peak memory beyond the inputs (``peak_extra_mib`` without dX, dW), errors
+against an fp32 reference and ``x_valid_floor`` (ms over 6 N_valid H V flops at the bf16 matmul rate measured in the
+run). ``--check``: every backend against float64 beside plain torch and the rounding floor, at real sizes.
+``--table`` prints --out's table; ``{card}`` in --out: h200, h100, ... Fields and findings: bench/RESULTS.md section 1.
 
     python bench/bench_flce.py [--out bench/results/{card}_kernel3.json] [--deadline 290] [--impls ...,torch_chunked]
     python bench/bench_flce.py --check [--out bench/results/{card}_kernel3_check.json]
@@ -95,8 +91,7 @@ def make_impl(name):
 
 # --------------------------------------------------------------------------- helpers
 def gpu_meta() -> dict:
-    """The run's ``_meta`` fields: card (torch's name of GPU 0), date, torch, python, and triton / liger_kernel /
-    transformers (None when absent)."""
+    """The run's ``_meta`` fields: card (torch's name of GPU 0), date and versions."""
     return {"card": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "python": platform.python_version(), **versions(("triton", "liger_kernel", "transformers"))}
 
@@ -120,16 +115,15 @@ def cuda_ms(fn, reps, warmup=0, fresh=False) -> list:
 
 
 def matmul_tflops(n=8192, burst=1, reps=10):
-    """This card's bf16 rate on an n^3 GEMM, TFLOP/s: median of ``reps`` timings of ``burst`` GEMMs back to back after
-    3 warm-ups. burst 40 (~60 ms, no sync between): the sustained rate a fused kernel's GEMMs see (clocks drop under
-    power limits), beside the short bursts'."""
+    """This card's bf16 TFLOP/s on an n^3 GEMM: median of ``reps`` timings of ``burst`` GEMMs back to back. burst 40:
+    the sustained rate a fused kernel's GEMMs see (clocks drop under power limits)."""
     a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     return 2 * n**3 * burst / (statistics.median(cuda_ms(lambda: [a @ b for _ in range(burst)], reps, 3)) * 1e-3) / 1e12
 
 
 def make_inputs(n, h, v, seed=0, dtype=None, ignore=0.25, scale=1.0):
-    """Hidden states ``[n, h]`` (N(0, 1) x ``scale``), a head ``[v, h]`` (N(0, 4 / h)), both in ``dtype`` (default
-    bf16), and labels with a fraction ``ignore`` set to -100; on the GPU, from a generator seeded with ``seed``."""
+    """Hidden states ``[n, h]`` (N(0, 1) x ``scale``), a head ``[v, h]`` (N(0, 4 / h)) in ``dtype`` (default bf16),
+    labels with a fraction ``ignore`` set to -100; on the GPU, seeded."""
     dtype = torch.bfloat16 if dtype is None else dtype
     g = torch.Generator(device="cuda").manual_seed(seed)
     hidden = (torch.randn(n, h, device="cuda", generator=g, dtype=torch.float32) * scale).to(dtype)
@@ -165,8 +159,8 @@ def reference(hidden, weight, y, dtype=torch.float32, chunk=2048, softcap=None, 
         z = (h @ w.t()).float() if plain else h @ w.t()
         if softcap is not None:
             z = softcap * torch.tanh(z / softcap)
-        scalar, loss = _ce(z, y[s : s + chunk], reduction, eps, None if grad_rows is None else grad_rows[s : s + chunk],
-                           n_valid)
+        c = None if grad_rows is None else grad_rows[s : s + chunk]
+        scalar, loss = _ce(z, y[s : s + chunk], reduction, eps, c, n_valid)
         scalar.backward()
         dh[s : s + chunk] = h.grad
         losses.append(loss.double())

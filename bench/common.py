@@ -1,12 +1,9 @@
-"""What the bench scripts share (no script imports another; ``python bench/x.py`` from the repository root imports this
-as ``common``; no torch at import time): row fields and files, the package's CPU shims, LLaMA-Factory runs
-(``run`` -> one row) and the CPU memory twin (``twin_*``, ``AllocationTimeline``).
-``python bench/common.py build WORK NAME --layers 32 ...`` builds a model in a process of its own (the caller then
-holds no CUDA context: half a GiB the runs would lack)."""
+"""What the bench scripts share (imported as ``common``; no torch at import time): row fields and files, the
+package's CPU shims, LLaMA-Factory runs (``run`` -> one row) and the CPU memory twin (``twin_*``, ``AllocationTimeline``).
+``python bench/common.py WORK SPEC``: :func:`build_depth_model`'s build, in a process of its own."""
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -183,20 +180,13 @@ def filling_words(cutoff: int) -> int:
     return int(cutoff / 1.3)
 
 
-# bench/depth.py's real-depth models: six 128k packs of data each
-DEPTH_DATA = dict(max_position=131072, rows=1400, answer_words=(300, 500))
-
-
 def build_depth_model(work: str, spec: str = "llama3-8b") -> str:
-    """WORK/<spec>-L<layers> (``MODELS[spec]`` at ``DEPTH_LAYERS[spec]``, ``DEPTH_DATA``), built once in a process
-    of its own; returns its directory."""
-    d, name = DEPTH_DATA, f"{spec}-L{DEPTH_LAYERS[spec]}"
-    mdir = os.path.join(work, name)
+    """WORK/<spec>-L<layers>: ``MODELS[spec]`` at its real depth (``DEPTH_LAYERS``) with six 128k packs of data,
+    built once in a process of its own (the caller then holds no CUDA context: half a GiB the runs would lack)."""
+    mdir = os.path.join(work, f"{spec}-L{DEPTH_LAYERS[spec]}")
     if not os.path.exists(os.path.join(mdir, "model", "config.json")):
         t0 = time.monotonic()
-        subprocess.run([sys.executable, os.path.abspath(__file__), "build", work, name, "--spec", spec,
-                        "--layers", str(DEPTH_LAYERS[spec]), "--max-position", str(d["max_position"]), "--rows",
-                        str(d["rows"]), "--answer-words", *map(str, d["answer_words"])], check=True)
+        subprocess.run([sys.executable, os.path.abspath(__file__), work, spec], check=True)
         print(f"[bench] built {mdir} in {time.monotonic() - t0:.0f} s", flush=True)
     return mdir
 
@@ -212,16 +202,14 @@ def preflight(module: str) -> None:
 def ds_json(work: str, stage: int = 3, persistence: float | None = None) -> str:
     """A DeepSpeed json under WORK: ``ZERO3`` (``persistence``: its param persistence threshold), or ZeRO-2 with
     LLaMA-Factory's ds_z2 buckets."""
-    if stage == 3:
-        config = json.loads(json.dumps(ZERO3))
-        if persistence is not None:
-            config["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
-        path = os.path.join(work, f"ds_z3_{persistence or 'auto'}.json")
-    else:
-        config = dict(json.loads(json.dumps(ZERO3)), zero_optimization={
-            "stage": 2, "overlap_comm": False, "contiguous_gradients": True, "reduce_scatter": True,
-            "allgather_bucket_size": 500_000_000, "reduce_bucket_size": 500_000_000})
-        path = os.path.join(work, "ds_z2.json")
+    config = json.loads(json.dumps(ZERO3))
+    if stage == 2:
+        config["zero_optimization"] = {"stage": 2, "overlap_comm": False, "contiguous_gradients": True,
+                                       "reduce_scatter": True, "allgather_bucket_size": 500_000_000,
+                                       "reduce_bucket_size": 500_000_000}
+    elif persistence is not None:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
+    path = os.path.join(work, "ds_z2.json" if stage == 2 else f"ds_z3_{persistence or 'auto'}.json")
     with open(path, "w") as f:
         json.dump(config, f)
     return path
@@ -374,14 +362,10 @@ class StepClock:
 
 
 # ---------------------------------------------------------------------------------------------- the CPU memory twin
-# A GPU run's allocated memory is a sum of products of two of (tokens, hidden, intermediate, vocab, LoRA rank) -- weights,
-# their gradients and Adam states, activations, logits -- so a run with each of them divided by s allocates 1/s^2 of
-# it, op for op. On the CPU that run is cheap and every allocation can be seen (torch.profiler's memory events): its
-# peak times s^2 predicts the GPU's ``max_memory_allocated`` and its live set says what the peak is made of. Sizes
-# the package fixes in bytes or rows are divided too (:func:`twin_setup`), so the twin takes the GPU run's
-# code paths, and dropout keeps CUDA's bool mask. bench/RESULTS.md section 12 checks it against H200 runs.
+# A run with tokens, hidden, intermediate, vocab and LoRA rank divided by s allocates 1/s^2 of the GPU run's memory,
+# op for op; on the CPU every allocation can be seen, so its peak x s^2 predicts the GPU's (bench/RESULTS.md 12).
 TWIN_ENV = "LF_BENCH_TWIN"  # the twin's s, in a launched run's environment
-LAYER_UNITS_ENV = "LF_BENCH_LAYER_UNITS"  # "1": a launched v1 run wraps each decoder layer (bench/v1_launch.py)
+LAYER_UNITS_ENV = "LF_BENCH_LAYER_UNITS"  # "1": a launched v1 run wraps each decoder layer (bench/lf_bench_launch.py v1)
 TWIN_SIZES = (  # (module, constant, power of s it is divided by)
     ("ops.triton_common", "FAST_CHUNK_ROWS", 1), ("ops.triton_common", "FAST_CHUNK_MAX_BYTES", 2),
     ("ops.triton_common", "MAX_SLAB", 1), ("ops.triton_lean", "DEFAULT_MEM_BUDGET", 2),
@@ -401,11 +385,9 @@ def twin_spec(spec: dict, s: int, keep_heads: bool = False) -> dict:
 
 
 def twin_setup(s: int) -> list:
-    """In a twin's training process, what makes the CPU allocate as a GPU would: the package's absolute sizes
-    (``TWIN_SIZES``) divided; dropout keeping a bool mask (CUDA's kernel; the CPU's keeps the input dtype); each
-    loaded weight an allocation of its own (on the CPU transformers leaves views of one checkpoint storage; the load
-    runs in ``ops.upcast.SCOPE``, left out, and each tensor is copied once); 128-row interpreted blocks (same values,
-    fewer programs). Returns what was done, ``[name=value]``."""
+    """In a twin's training process, what makes the CPU allocate as a GPU would: ``TWIN_SIZES`` divided, dropout's
+    bool mask (CUDA's), each loaded weight its own allocation (the load itself left out), 128-row interpreted blocks
+    (same values, fewer programs). Returns what was done, ``[name=value]``."""
     import importlib
 
     import torch
@@ -556,20 +538,7 @@ def twin_lines(groups: list, top: int = 14) -> list:
             for g in groups[:top]]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["build"])
-    ap.add_argument("work")
-    ap.add_argument("name")
-    ap.add_argument("--spec", default="llama3-8b", help="a key of MODELS")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--max-position", type=int, default=131072)
-    ap.add_argument("--rows", type=int, default=1400)
-    ap.add_argument("--answer-words", type=int, nargs=2, default=(300, 500))
-    args = ap.parse_args()
-    print(build(args.work, args.name, MODELS[args.spec], args.layers, rows=args.rows,
-                answer_words=tuple(args.answer_words), max_position=args.max_position, seed=0))
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # build_depth_model's process
+    work, spec = sys.argv[1:3]
+    print(build(work, f"{spec}-L{DEPTH_LAYERS[spec]}", MODELS[spec], DEPTH_LAYERS[spec], rows=1400,
+                answer_words=(300, 500), max_position=131072, seed=0))

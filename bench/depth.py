@@ -1,13 +1,9 @@
-"""Real-depth LLaMA-Factory runs on one GPU (world size 1), plain against the plugin, one JSON row per run appended to
-``--out`` (``{card}``: the card's short name, so each card has its own file).
-
-Parts: ``sft`` -- the Llama-3-8B shape at its 32 layers (``--model``: Qwen2.5-0.5B, Gemma 3 1B or Qwen3-1.7B at
-their real depth), packing; variants plain, liger, plugin, plugin+liger,
-plugin-lean(+liger), plugin-noguard; ``--sharding`` fsdp2, zero3 or zero3-persist. ``dpo`` -- the same model, sigmoid,
-one pair a step filling the cutoff a side. ``vlm`` -- the Qwen2.5-VL-7B shape (28 layers, its vision tower), one
-448 x 448 image a sample. Every run: bench/common.py's ``run`` (LoRA r16 all + embed_tokens,lm_head, bf16, checkpointing).
-``--search``: per variant, up the ladder (4k ... 128k) while it trains, down while it does not. ``table`` prints each
-card's table and ratios (``--plot``: sft's charts beside --out). Setup and findings: bench/RESULTS.md section 10.
+"""Real-depth LLaMA-Factory runs on one GPU, plain against the plugin, a JSON row per run appended to ``--out``
+(``{card}``: the card's short name). Parts: ``sft`` (the Llama-3-8B shape at 32 layers, or ``--model``'s at its real
+depth; packing; ``--sharding`` fsdp2, zero3 or zero3-persist), ``dpo`` (the same model, one pair a step filling the
+cutoff a side), ``vlm`` (the Qwen2.5-VL-7B shape, one 448 x 448 image a sample); each run bench/common.py's ``run``.
+``--search``: per variant, up the ladder (4k ... 128k) while it trains, down while it does not. ``table``: each card's
+table and ratios (``--plot``: sft's charts beside --out). Setup and findings: bench/RESULTS.md section 10.
 
     python bench/depth.py sft --variants plain,liger,plugin,plugin+liger --cutoffs 32768 --search
     python bench/depth.py sft --variants plugin --cutoffs 16384,32768 --sharding zero3 --steps 8
@@ -32,7 +28,7 @@ from common import (DEPTH_LAYERS, MODELS, ROOT, SMOKE_CFG, SMOKE_ENV, append_row
                     ds_json, filling_words, load_rows, now, preflight, run, tiny_assets, versions)
 from step_profile import profile_line
 
-LADDER = (4096, 8192, 16384, 32768, 65536, 131072)  # the top is DEPTH_DATA's max_position
+LADDER = (4096, 8192, 16384, 32768, 65536, 131072)  # the top: build_depth_model's max_position
 VARIANTS = {  # row variant -> (bench/common.py's VARIANTS key, extra yaml keys)
     "plain": ("plain", {}), "liger": ("liger", {}), "plugin": ("liger_fsdp_auto", {}),
     "plugin+liger": ("liger+liger_fsdp", {}), "plugin-lean": ("liger_fsdp", {}),
@@ -54,9 +50,11 @@ def short(cutoff):
     return f"{cutoff // 1024}k" if cutoff >= 1024 else str(cutoff)
 
 
+def image_side(smoke: bool) -> int:
+    return 56 if smoke else IMAGE_SIDE
+
+
 # ---------------------------------------------------------------------------------------------------------- assets
-
-
 def vlm_assets(work: str, cutoff: int, smoke: bool) -> tuple[str, str]:
     """(model dir, data dir): the Qwen2.5-VL model (smoke: the tiny test config) with its processor
     (llamafactory_liger_fsdp/testing/vlm_assets.py), and image rows whose answers fill ``cutoff``."""
@@ -64,9 +62,8 @@ def vlm_assets(work: str, cutoff: int, smoke: bool) -> tuple[str, str]:
 
     mdir = os.path.join(work, "qwen2.5-vl-7b" if not smoke else "smoke-vl")
     data = os.path.join(mdir, f"data_{cutoff}")
-    side = IMAGE_SIDE if not smoke else 56
     if not os.path.exists(os.path.join(data, "dataset_info.json")):  # one word a token with this tokenizer
-        assets.write_data(data, assets.rows(24, (cutoff, cutoff), (5, 12)), side, noise=True)
+        assets.write_data(data, assets.rows(24, (cutoff, cutoff), (5, 12)), image_side(smoke), noise=True)
     if not os.path.exists(os.path.join(mdir, "model", "config.json")):
         subprocess.run([sys.executable, os.path.abspath(__file__), "build-vlm", "--work", mdir]
                        + (["--smoke"] if smoke else []), check=True)  # a process of its own: this one holds no CUDA
@@ -80,7 +77,7 @@ def build_vlm(mdir: str, smoke: bool) -> None:
 
     from llamafactory_liger_fsdp.testing import make_config, vlm_assets
 
-    side = IMAGE_SIDE if not smoke else 56
+    side = image_side(smoke)
     wire = vlm_assets.save_processor(os.path.join(mdir, "model"), vlm_assets.rows(64, (40, 40), (5, 12)),
                                      side * side, side * side, v2_5=True)
     config = make_config("qwen2_5_vl") if smoke else CONFIG_MAPPING["qwen2_5_vl"](
@@ -95,7 +92,7 @@ def setup(args, cutoff: int) -> tuple[str, dict, dict]:
     """(model dir, model spec for common.run, yaml overrides) of one cutoff of this part."""
     if args.part == "vlm":
         mdir, data = vlm_assets(args.work, cutoff, args.smoke)
-        side = IMAGE_SIDE if not args.smoke else 56
+        side = image_side(args.smoke)
         return mdir, dict(MODELS["qwen2.5-7b"], layer="Qwen2_5_VLDecoderLayer"), dict(
             dataset="tiny_mm", dataset_dir=data, template="qwen2_vl", packing=False, image_max_pixels=side * side,
             image_min_pixels=side * side, preprocessing_num_workers=1)
@@ -112,8 +109,6 @@ def setup(args, cutoff: int) -> tuple[str, dict, dict]:
 
 
 # ---------------------------------------------------------------------------------------------------------- runs
-
-
 def one_run(args, meta, variant, cutoff, nrun, timeout) -> dict | None:
     """One run's row; None when the deadline stopped it."""
     mdir, spec, cfg = setup(args, cutoff)
@@ -133,9 +128,8 @@ def one_run(args, meta, variant, cutoff, nrun, timeout) -> dict | None:
         return None
     done = len(row.get("step_times") or [])
     fits = not row.get("rc") and done == args.steps
-    model = "qwen2.5-vl-7b" if args.part == "vlm" else args.model
     layers = QWEN25_VL_7B["text"]["num_hidden_layers"] if args.part == "vlm" else DEPTH_LAYERS[args.model]
-    out = dict(model=model if not args.smoke else f"tiny-{args.part}", layers=layers if not args.smoke else 2,
+    out = dict(model=rows_model(args), layers=layers if not args.smoke else 2,
                stage="dpo" if args.part == "dpo" else "sft", sharding=args.sharding, variant=variant, cutoff=cutoff,
                images=int(args.part == "vlm"), fits=fits, tokens_per_s=row.get("tokens_per_s") if fits else None,
                peak_gib=row.get("peak_gib"), step_losses=row.get("step_losses"),
@@ -216,8 +210,6 @@ def measure(args, out) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------- table
-
-
 def runs_of(rows, sharding, variant, cutoff=None, fits=None):
     return [r for r in rows if (r["sharding"], r["variant"]) == (sharding, variant)
             and cutoff in (None, r["cutoff"]) and fits in (None, r["fits"])]

@@ -1,19 +1,9 @@
-"""Side-by-side LLaMA-Factory runs on one GPU (world size 1): tokens/s, peak memory and per-step losses per scenario and
-variant, one JSON row per run appended to ``--out``. The 2-layer Llama-3-8B shape (real 128k head), LoRA r16, bf16;
-each run bench/common.py's ``run``. Scenarios: ``SCENARIOS`` below (FSDP2 / ZeRO-2 / ZeRO-3 SFT at 16k packed tokens,
-DPO/KTO/ORPO/SimPO at 2k and 8k); variants plain, liger, plugin, plugin+liger. Findings: bench/RESULTS.md section 9.
-
-    python bench/speed.py [--scenarios fsdp2_sft,dpo_8k:1] [--variants plain,plugin] [--runs 2] [--steps 5]
-                          [--out bench/results/{card}_speed.json] [--deadline 540] [--smoke]
-    python bench/speed.py --table [--plot] [--out bench/results/h200_speed.json]   # medians and ratios, charts
-    python bench/speed.py --twin 8 [--layers 2] [--cutoff 16384] [--stage sft|dpo] [--steps 3]
-                          [--variants plain,liger_fsdp,liger_fsdp_fast] [--out bench/results/cpu_twin.json]
-
-``name:k`` gives one scenario k runs, ``name:k:a/b`` also its variants; run r plays the variants in order on even r,
-reversed on odd r. ``--smoke``: CPU plumbing check (tiny model, fp32, no FSDP/DeepSpeed, a temp JSON). ``--twin S``:
-the CPU memory twin (bench/common.py) of the Llama-3-8B shape at ``--layers``, ``--cutoff`` tokens (SFT) or a side
-(DPO): FSDP2 on one CPU rank (the package's CPU shim), Triton interpreted (Liger's kernels do not run there), variants
-of common.VARIANTS; a row per variant appended, its peaks CPU bytes x S^2 (method and checks: bench/RESULTS.md 12).
+"""Side-by-side LLaMA-Factory runs on one GPU: tokens/s, peak memory and step losses per scenario (``SCENARIOS``) and
+variant, a JSON row per run appended to ``--out``; the 2-layer Llama-3-8B shape (real 128k head), each run
+bench/common.py's ``run``. ``--scenarios name:k`` gives a scenario k runs, ``name:k:a/b`` also its variants; odd runs
+play the variants reversed. ``--smoke``: CPU plumbing check. ``--table [--plot]``: medians, ratios and charts.
+``--twin S``: the CPU memory twin of ``--layers`` layers at ``--cutoff`` tokens (SFT) or a side (DPO), FSDP2 on one
+CPU rank, Triton interpreted; peaks CPU bytes x S^2. Setups and findings: bench/RESULTS.md sections 9 and 12.
 """
 
 from __future__ import annotations
@@ -250,6 +240,7 @@ def plot(groups, med, gpu, prefix):
         fig.savefig(f"{prefix}_speed_{key}.png", dpi=120)
         plt.close(fig)
     print(f"charts: {prefix}_speed_tokens.png {prefix}_speed_memory.png")
+
 
 if __name__ == "__main__":
     main()

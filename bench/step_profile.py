@@ -1,14 +1,8 @@
 """One training step under the torch profiler (``LF_BENCH_PROFILE=k`` in a bench/lf_bench_launch.py run: step k), its
-GPU time split by who launched it, so a change to the plugin's step shows where the time went:
-
-- ``kernel``: the fused loss, forward (inside ``ops.fused_linear_cross_entropy``) and backward (its autograd Function);
-- ``gather``: the head's weights through its FSDP unit (``gather.call_through`` and FSDP's own ranges named for the
-  head, forward and backward), the kernel left out;
-- ``head_rest``: the rest of the plugin's head path (``HeadLoss.loss`` / ``token_logps``: labels, casts, the mean);
-- ``rest``: everything else (decoder forward and backward, the layers' FSDP, the optimizer).
-Beside them: the step's wall time, the GPU's busy time (union of its kernels) and idle time, and the host syncs the
-plugin's head path made and the host's time in it (``head_cpu_ms``). Plain and Liger runs get the same totals (no
-plugin ranges)."""
+GPU time split by who launched it: ``kernel`` (the fused loss, forward and its autograd backward), ``gather`` (the
+head's weights through its FSDP unit), ``head_rest`` (the rest of ``HeadLoss.loss`` / ``token_logps``), ``rest``
+(everything else); beside them the step's wall time, the GPU's busy and idle time, and the host syncs and host time
+of the plugin's head path. Plain and Liger runs get the same totals (no plugin ranges)."""
 
 from __future__ import annotations
 
@@ -76,8 +70,8 @@ def summary(prof, wall_s: float, top: int = 12) -> dict:
 
     prof.__exit__(None, None, None)
     events = prof.events()
-    ms = {"kernel": 0.0, "gather": 0.0, "head_rest": 0.0, "rest": 0.0}
-    kernels, syncs, head_cpu = {}, {"count": 0, "cpu_ms": 0.0}, 0.0
+    ms, kernels = {"kernel": 0.0, "gather": 0.0, "head_rest": 0.0, "rest": 0.0}, {}
+    syncs, head_cpu = {"count": 0, "cpu_ms": 0.0}, 0.0
     for evt in events:
         if evt.device_type != DeviceType.CPU or evt.is_async:
             continue
@@ -90,13 +84,10 @@ def summary(prof, wall_s: float, top: int = 12) -> dict:
         for k in evt.kernels:
             ms[where or "rest"] += k.duration / 1e3
             if where:
-                key = (where, k.name[:90])
-                kernels[key] = kernels.get(key, 0.0) + k.duration / 1e3
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
-    busy, end = 0.0, float("-inf")
-    for s, e in spans:  # the union of the GPU's intervals
-        busy += max(0.0, e - max(s, end))
-        end = max(end, e)
+                kernels[where, k.name[:90]] = kernels.get((where, k.name[:90]), 0.0) + k.duration / 1e3
+    busy, end = 0.0, float("-inf")  # the union of the GPU's intervals
+    for s, e in sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA):
+        busy, end = busy + max(0.0, e - max(s, end)), max(end, e)
     busy_ms = busy / 1e3
     return dict(step_ms=round(wall_s * 1e3, 2), gpu_busy_ms=round(busy_ms, 2),
                 gpu_idle_ms=round(wall_s * 1e3 - busy_ms, 2), **{f"{k}_ms": round(v, 3) for k, v in ms.items()},

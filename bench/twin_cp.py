@@ -1,15 +1,8 @@
-"""The CPU memory twin of LLaMA-Factory v1 SFT under Ulysses sequence parallelism: each rank's peak on an H200 for the
-32-layer Llama-3-8B shape, v1's own loss (``plain``; ``plain-layers``: with each decoder layer a unit, where the
-installed v1 makes the whole model one) against the plugin's, at cp_size 1/2/4/8, one row set per LLaMA-Factory.
-
-    python bench/twin_cp.py [--scale 32] [--cps 1,2,4,8] [--tokens 131072,262144] [--depths 2,4] [--extra 1:32768]
-                            [--lock FILE] [--runs-out bench/results/cpu_twin_cp_runs.json]
-                            [--out bench/results/cpu_twin_cp.json] [--table]
-
-Each twin run is ``bench/v1.py --twin S --cp N`` (under ``--lock``), kept in ``--runs-out`` (a rerun skips the runs it
-holds). A 32-layer model at 128k tokens is too much for two shared cores, so each rank's 32-layer peak is extrapolated
-from two depths: the per-layer increment is v1 plain's at cp 1 (same wrapping) divided by cp, plus the variant's
-excess over it at cp 1, whole. Method, checks and limits: bench/RESULTS.md section 14.
+"""The CPU memory twin of LLaMA-Factory v1 SFT under Ulysses: each rank's peak on an H200 for the 32-layer Llama-3-8B
+shape, v1's own loss (``plain``; ``plain-layers``: each decoder layer a unit) against the plugin's at cp_size
+1/2/4/8, one row set per LLaMA-Factory. Each twin run is ``bench/v1.py --twin S --cp N`` (under ``--lock``), kept in
+``--runs-out`` (a rerun skips those it holds); the 32-layer peak is extrapolated from two depths (:func:`predict`).
+Method, checks and limits: bench/RESULTS.md section 14.
 """
 
 from __future__ import annotations
