@@ -3,11 +3,7 @@ unfused torch loss and ``torch_chunked``, TRL's / LLaMA-Factory's chunked loss),
 and ignored-label fraction (bf16): ms, peak memory beyond the inputs (``peak_extra_mib`` without dX, dW), errors
 against an fp32 reference and ``x_valid_floor`` (ms over 6 N_valid H V flops at the bf16 matmul rate measured in the
 run). ``--check``: every backend against float64 beside plain torch and the rounding floor, at real sizes.
-``--table`` prints --out's table; ``{card}`` in --out: h200, h100, ... Fields and findings: bench/RESULTS.md section 1.
-
-    python bench/bench_flce.py [--out bench/results/{card}_kernel3.json] [--deadline 290] [--impls ...,torch_chunked]
-    python bench/bench_flce.py --check [--out bench/results/{card}_kernel3_check.json]
-    python bench/bench_flce.py --table --out bench/results/h200_kernel3.json
+``--table`` prints --out's table; ``{card}`` in --out: h200, h100, ... Commands, fields, findings: bench/RESULTS.md 1.
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ SHAPES = "8192,4096,128256;16384,4096,128256;16384,3584,152064;32768,4096,128256
 IMPLS = ["project", "project_fast", "liger", "torch", "torch_chunked"]  # project: the lean `triton` backend
 TORCH_CHUNK = 4096
 T0 = time.time()
-
 
 
 # --------------------------------------------------------------------------- implementations
@@ -72,7 +67,6 @@ class TorchChunked(torch.autograd.Function):
 def make_impl(name):
     if name in ("project", "project_fast"):
         from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
-
         backend = "triton" if name == "project" else "triton_fast"
         return lambda h, w, y: fused_linear_cross_entropy(h, w, y, backend=backend)
     if name == "torch":
@@ -83,7 +77,6 @@ def make_impl(name):
         return TorchChunked.apply
     if name == "liger":
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
         mod = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
         return lambda h, w, y: mod(w, h, y)
     raise ValueError(name)
@@ -232,12 +225,10 @@ def _say(out_rows, out_path, row, tag="check"):
 
 def check(out_rows, out_path):
     from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
-
     for n, hd, v, dtype, softcap, ignore, reduction, eps, scale in CHECKS:
         hidden, weight, y = make_inputs(n, hd, v, seed=1, dtype=dtype, ignore=ignore, scale=scale)
-        g = None
-        if reduction == "none":
-            g = torch.exp(torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3)))
+        gen = torch.Generator(device="cuda").manual_seed(3)  # reduction none: each row's incoming gradient
+        g = torch.exp(torch.randn(n, device="cuda", generator=gen)) if reduction == "none" else None
         base = {"N": n, "H": hd, "V": v, "dtype": str(dtype).split(".")[-1], "softcap": softcap, "ignore": ignore,
                 "reduction": reduction, "label_smoothing": eps, "hidden_scale": scale}
         ref = plain = None
@@ -255,7 +246,7 @@ def check(out_rows, out_path):
                     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
                     loss = fused_linear_cross_entropy(h, w, y, softcap=softcap, reduction=reduction,
                                                       label_smoothing=eps, backend=backend)
-                    loss.backward(g if reduction == "none" else None)
+                    loss.backward(g)
                     outs.append((loss.detach(), h.grad, w.grad))
                     del h, w
                 row["deterministic"] = all(torch.equal(a, b) for a, b in zip(*outs))
@@ -279,7 +270,6 @@ def check(out_rows, out_path):
 def _extra_checks(out_rows, out_path):
     """Bad labels (one Python error, CUDA still usable) and the forward-only path (time, memory)."""
     from llamafactory_liger_fsdp.ops import fused_linear_cross_entropy
-
     hidden, weight, y = make_inputs(8192, 4096, 128256, seed=2)
     for backend in ("torch", "triton", "triton_fast"):
         bad = y.clone()
@@ -304,11 +294,12 @@ def _extra_checks(out_rows, out_path):
 
 
 # --------------------------------------------------------------------------- the sweep and its table
-def sweep(args, cases, rate, sustained, rows, out):
-    """Each (shape, ignored fraction, implementations) of ``cases``: a row per implementation, to ``out``."""
-    for shape, ignore, names in cases:
+def sweep(args, shapes, rate, sustained, out) -> list:
+    """Each shape and ignored fraction: a row per implementation, to ``out``; the rows."""
+    rows = []
+    for shape, ignore in ((s, float(i)) for s in shapes for i in args.ignored.split(",")):
         ref = None
-        for name in names.split(","):
+        for name in args.impls.split(","):
             if time.time() - T0 > args.deadline:
                 row = {"impl": name, "N": shape[0], "H": shape[1], "V": shape[2], "shape": list(shape),
                        "ignored_frac": ignore, "skipped": "deadline"}
@@ -321,6 +312,7 @@ def sweep(args, cases, rate, sustained, rows, out):
             _say(rows, out, row, "")
         del ref
         torch.cuda.empty_cache()
+    return rows
 
 
 def table(rows) -> None:
@@ -365,9 +357,7 @@ def main():
     print(f"# {json.dumps(meta)}", flush=True)
     dump_json(out.replace(".json", "_meta.json"), meta)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
-    rows = []
-    sweep(args, [(s, float(i), args.impls) for s in shapes for i in args.ignored.split(",")], rate, sustained, rows, out)
-    table(rows)
+    table(sweep(args, shapes, rate, sustained, out))
 
 
 if __name__ == "__main__":

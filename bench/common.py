@@ -28,14 +28,12 @@ def now() -> str:
 def versions(dists=DISTS) -> dict:
     """Each of ``dists``' installed version (None when absent)."""
     from importlib import metadata
-
-    out = {}
-    for dist in dists:
+    def version(dist):
         try:
-            out[dist] = metadata.version(dist)
+            return metadata.version(dist)
         except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
+            return None
+    return {dist: version(dist) for dist in dists}
 
 
 def commit() -> str | None:
@@ -94,7 +92,6 @@ def append_row(path: str, row: dict) -> None:
 def shim(name: str) -> str:
     """``llamafactory_liger_fsdp/testing/<name>``, a CPU shim for PYTHONPATH (found without importing the package)."""
     from importlib.util import find_spec
-
     return os.path.join(list(find_spec("llamafactory_liger_fsdp").submodule_search_locations)[0], "testing", name)
 
 
@@ -153,7 +150,6 @@ def build(work, name, spec, layers, rows=400, answer_words=(300, 500), *, max_po
     tiny_assets(mdir, "--no-model", "--rows", rows, "--answer-words", *answer_words)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(os.path.join(mdir, "model"))
     kw = {k: v for k, v in spec.items() if k not in ("model_type", "layer")}
     config = AutoConfig.for_model(spec["model_type"], num_hidden_layers=layers, max_position_embeddings=max_position,
@@ -169,7 +165,7 @@ def build(work, name, spec, layers, rows=400, answer_words=(300, 500), *, max_po
         os.replace(os.path.join(tmp, fname), os.path.join(mdir, "model", fname))
     os.rmdir(tmp)
     del model
-    if device == "cuda":
+    if device == "cuda":  # the cached blocks go back: the runs are other processes
         torch.cuda.empty_cache()
     return mdir
 
@@ -276,23 +272,15 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
         dataset_dir=os.path.join(mdir, "data"), template="llama3", cutoff_len=cutoff, packing=True,
         overwrite_cache=True, preprocessing_num_workers=4, output_dir=out, logging_steps=1, save_strategy="no",
         per_device_train_batch_size=1, gradient_accumulation_steps=1, learning_rate=1e-4, max_steps=steps,
-        lr_scheduler_type="constant", bf16=True, include_num_input_tokens_seen=True, report_to="none", seed=0, flash_attn="sdpa",
-        fsdp="full_shard auto_wrap", fsdp_config=fsdp_config,
-        **VARIANTS[variant],
-    )
-    for key, value in (overrides or {}).items():
-        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
-            cfg[key] = {**cfg[key], **value}
-        else:
-            cfg[key] = value
-    cfg = {k: v for k, v in cfg.items() if v is not None}  # an override of None removes the key
+        lr_scheduler_type="constant", bf16=True, include_num_input_tokens_seen=True, report_to="none", seed=0,
+        flash_attn="sdpa", fsdp="full_shard auto_wrap", fsdp_config=fsdp_config, **VARIANTS[variant])
+    for key, value in (overrides or {}).items():  # a dict updates a dict; None removes the key
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
     import yaml
-
     os.makedirs(out, exist_ok=True)
-    path = out + ".yaml"
+    path, res_path = out + ".yaml", out + ".json"
     with open(path, "w") as f:
-        yaml.safe_dump(cfg, f)
-    res_path = out + ".json"
+        yaml.safe_dump({k: v for k, v in cfg.items() if v is not None}, f)
     if os.path.exists(res_path):
         os.remove(res_path)
     env = dict(FSDP_STATE_DICT_TYPE="FULL_STATE_DICT", DISABLE_VERSION_CHECK="1", **(env or {}))
@@ -333,7 +321,6 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
 def peak_mib(reset: bool = False) -> float:
     """``torch.cuda.max_memory_allocated`` in MiB after a device sync (0 on the CPU); ``reset``: then reset it."""
     import torch
-
     if not torch.cuda.is_available():
         return 0.0
     torch.cuda.synchronize()
@@ -349,7 +336,6 @@ class StepClock:
 
     def begin(self) -> None:
         from torch.autograd.profiler import record_function
-
         self.before = peak_mib(reset=True)
         self.mark = record_function("## step")
         self.mark.__enter__()
@@ -394,7 +380,6 @@ def twin_setup(s: int) -> list:
     import transformers
 
     from llamafactory_liger_fsdp.ops import upcast
-
     done = []
     for module, name, power in TWIN_SIZES:
         mod = importlib.import_module(f"llamafactory_liger_fsdp.{module}")
@@ -407,7 +392,6 @@ def twin_setup(s: int) -> list:
     torch.nn.functional.dropout = dropout
     done.append("F.dropout=native_dropout (bool mask)")
     from llamafactory_liger_fsdp.ops import triton_kernels
-
     # the interpreter's row block: 8x fewer interpreted programs (the dz kernel 2x faster), same values and allocations
     triton_kernels.block_r = lambda t: 1 if t.is_cuda else 128
     done.append("triton_kernels.block_r=128 on the CPU")
@@ -436,7 +420,6 @@ class AllocationTimeline:
         import torch
 
         from llamafactory_liger_fsdp.ops import upcast
-
         alloc_type = torch._C._profiler._EventType.Allocation
         events, self.marks, stack = [], [], [(e, False) for e in prof.profiler.kineto_results.experimental_event_tree()]
         while stack:

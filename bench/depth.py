@@ -35,6 +35,9 @@ VARIANTS = {  # row variant -> (bench/common.py's VARIANTS key, extra yaml keys)
     "plugin-lean+liger": ("liger+liger_fsdp", {"liger_fsdp_backend": "triton"}),
     "plugin-noguard": ("liger_fsdp_noguard", {}),
 }
+RUN_KEYS = ("peak_gib", "step_losses", "step_times", "step_s", "tokens_per_step", "setup_peak_gib", "between_peak_gib",
+            "forward_peak_gib", "backward_peak_gib", "optimizer_peak_gib", "engaged", "guard", "memory_line",
+            "liger_line", "cast", "profile")  # what a row keeps of common.run's
 PAIRS = (("plain", "plugin"), ("liger", "plugin+liger"))  # (baseline, ours) compared in the table
 DEFAULT_CUTOFFS = {"sft": "32768", "dpo": "2048,8192", "vlm": "8192,16384"}
 QWEN25_VL_7B = dict(
@@ -43,15 +46,11 @@ QWEN25_VL_7B = dict(
               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}),
     vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14,
                 spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]))
-IMAGE_SIDE = 448  # (448 / 14)^2 = 1024 patches, 256 tokens after the 2 x 2 merge
+IMAGE_SIDE = {False: 448, True: 56}  # by --smoke; (448 / 14)^2 = 1024 patches, 256 tokens after the 2 x 2 merge
 
 
 def short(cutoff):
     return f"{cutoff // 1024}k" if cutoff >= 1024 else str(cutoff)
-
-
-def image_side(smoke: bool) -> int:
-    return 56 if smoke else IMAGE_SIDE
 
 
 # ---------------------------------------------------------------------------------------------------------- assets
@@ -63,7 +62,7 @@ def vlm_assets(work: str, cutoff: int, smoke: bool) -> tuple[str, str]:
     mdir = os.path.join(work, "qwen2.5-vl-7b" if not smoke else "smoke-vl")
     data = os.path.join(mdir, f"data_{cutoff}")
     if not os.path.exists(os.path.join(data, "dataset_info.json")):  # one word a token with this tokenizer
-        assets.write_data(data, assets.rows(24, (cutoff, cutoff), (5, 12)), image_side(smoke), noise=True)
+        assets.write_data(data, assets.rows(24, (cutoff, cutoff), (5, 12)), IMAGE_SIDE[smoke], noise=True)
     if not os.path.exists(os.path.join(mdir, "model", "config.json")):
         subprocess.run([sys.executable, os.path.abspath(__file__), "build-vlm", "--work", mdir]
                        + (["--smoke"] if smoke else []), check=True)  # a process of its own: this one holds no CUDA
@@ -77,7 +76,7 @@ def build_vlm(mdir: str, smoke: bool) -> None:
 
     from llamafactory_liger_fsdp.testing import make_config, vlm_assets
 
-    side = image_side(smoke)
+    side = IMAGE_SIDE[smoke]
     wire = vlm_assets.save_processor(os.path.join(mdir, "model"), vlm_assets.rows(64, (40, 40), (5, 12)),
                                      side * side, side * side, v2_5=True)
     config = make_config("qwen2_5_vl") if smoke else CONFIG_MAPPING["qwen2_5_vl"](
@@ -92,7 +91,7 @@ def setup(args, cutoff: int) -> tuple[str, dict, dict]:
     """(model dir, model spec for common.run, yaml overrides) of one cutoff of this part."""
     if args.part == "vlm":
         mdir, data = vlm_assets(args.work, cutoff, args.smoke)
-        side = image_side(args.smoke)
+        side = IMAGE_SIDE[args.smoke]
         return mdir, dict(MODELS["qwen2.5-7b"], layer="Qwen2_5_VLDecoderLayer"), dict(
             dataset="tiny_mm", dataset_dir=data, template="qwen2_vl", packing=False, image_max_pixels=side * side,
             image_min_pixels=side * side, preprocessing_num_workers=1)
@@ -132,13 +131,9 @@ def one_run(args, meta, variant, cutoff, nrun, timeout) -> dict | None:
     out = dict(model=rows_model(args), layers=layers if not args.smoke else 2,
                stage="dpo" if args.part == "dpo" else "sft", sharding=args.sharding, variant=variant, cutoff=cutoff,
                images=int(args.part == "vlm"), fits=fits, tokens_per_s=row.get("tokens_per_s") if fits else None,
-               peak_gib=row.get("peak_gib"), step_losses=row.get("step_losses"),
                error=None if fits else (row.get("error") or f"{done}/{args.steps} steps"), run=nrun, date=now(),
-               steps=args.steps, step_times=row.get("step_times"), step_s=row.get("step_s"),
-               tokens_per_step=row.get("tokens_per_step"), wall_s=round(time.monotonic() - t0, 1),
-               **{f"{p}_peak_gib": row.get(f"{p}_peak_gib") for p in ("setup", "between", "forward", "backward", "optimizer")},
-               **{k: row.get(k) for k in ("engaged", "guard", "memory_line", "liger_line", "cast")},
-               log_tail=None if fits else row.get("log_tail"), smoke=args.smoke, profile=row.get("profile"), **meta)
+               steps=args.steps, wall_s=round(time.monotonic() - t0, 1), log_tail=None if fits else row.get("log_tail"),
+               smoke=args.smoke, **{k: row.get(k) for k in RUN_KEYS}, **meta)
     if args.part != "sft":
         out["part"] = args.part
     return out

@@ -50,29 +50,23 @@ class BenchCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kw):
         self.prof = step_profile.start() if step_profile.wanted() == state.global_step + 1 else None
         self.clock.begin()  # the peak since the last step's optimizer step; at step 1: the set-up
-        self.run_peak = max(self.run_peak, self.clock.before)
         self.phase = {"before_peak_mib": self.clock.before}
         PHASES.clear()
         self.micro_losses.clear()
 
-    # peak memory by phase: forward+backward (all micro-batches), then the optimizer step
+    # peak memory by phase: forward+backward (all micro-batches, and since the last backward: clipping), optimizer
     def on_pre_optimizer_step(self, args, state, control, **kw):
-        rest = peak_mib(reset=True)  # since the last backward: gradient clipping
-        self.phase.update(PHASES)
+        self.phase.update(PHASES, fwd_bwd_peak_mib=max(peak_mib(reset=True), *PHASES.values()))
         PHASES.clear()
-        self.phase["fwd_bwd_peak_mib"] = max(rest, self.phase.get("forward_peak_mib", 0.0),
-                                             self.phase.get("backward_peak_mib", 0.0))
-        self.run_peak = max(self.run_peak, self.phase["fwd_bwd_peak_mib"])
 
     def on_optimizer_step(self, args, state, control, **kw):
         self.phase["optimizer_peak_mib"] = peak_mib(reset=True)
-        self.run_peak = max(self.run_peak, self.phase["optimizer_peak_mib"])
 
     def on_step_end(self, args, state, control, **kw):
         elapsed, peak = self.clock.end()
         if self.prof is not None:  # LF_BENCH_PROFILE: this step's time is left out of tokens/s
             self.profile, self.phase["profiled"] = step_profile.summary(self.prof, elapsed), True
-        self.run_peak = max(self.run_peak, peak)
+        self.run_peak = max(self.run_peak, peak, *(v for k, v in self.phase.items() if k.endswith("_peak_mib")))
         self.steps.append({"s": elapsed, "peak_mib": self.run_peak, **self.phase,
                            "tokens_seen": int(getattr(state, "num_input_tokens_seen", 0) or 0)})
         self.step_losses.append(sum(self.micro_losses))
@@ -83,7 +77,6 @@ class BenchCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kw):
         import torch.distributed as dist
-
         live = live_setup = None
         if self.twin_prof is not None:  # the CPU peaks replace the (zero) CUDA ones
             self.twin_prof.__exit__(None, None, None)
@@ -106,7 +99,6 @@ def _liger_loss_only():
     import functools
 
     import liger_kernel.transformers as lt
-
     for name in [n for n in getattr(lt, "__all__", dir(lt)) if n.startswith("apply_liger_kernel_to_")]:
         fn = getattr(lt, name)  # the package exports these lazily (module __getattr__)
         setattr(lt, name, functools.partial(fn, rope=False, rms_norm=False, swiglu=False))
@@ -117,7 +109,6 @@ def _record_micro_steps(micro: list) -> None:
     accelerate's backward closes it and splits the step's peak: forward (to the loss) vs backward."""
     import accelerate
     import transformers.trainer
-
     training_step, backward = transformers.trainer.Trainer.training_step, accelerate.Accelerator.backward
 
     def recording_step(self, *args, **kwargs):
@@ -142,7 +133,6 @@ def _record_micro_steps(micro: list) -> None:
 def run_lf(yaml_path: str, out: str) -> None:
     """One LLaMA-Factory training (``run_exp``) with :class:`BenchCallback`; save_model skipped."""
     import transformers.trainer
-
     sys.argv = [sys.argv[0], yaml_path]
     transformers.trainer.Trainer.save_model = lambda self, *a, **k: None
     micro = []
@@ -155,7 +145,6 @@ def run_lf(yaml_path: str, out: str) -> None:
     if step_profile.wanted():
         step_profile.install()
     from llamafactory.train.tuner import run_exp
-
     callback = BenchCallback(out, micro)
     if twin:  # stopped and read in on_train_end (a CPU test shim may end the process at LLaMA-Factory's teardown)
         callback.twin_prof = twin_profiler()
@@ -172,12 +161,10 @@ def run_v1(command: str, cfg_path: str, out_path: str) -> None:
     from llamafactory.v1.core.data_engine import DataEngine
     from llamafactory.v1.core.model_engine import ModelEngine
     from llamafactory.v1.utils.callbacks import TrainerCallback as V1Callback
-
     if command == "dpo":
         from llamafactory.v1.trainers.dpo_trainer import DPOTrainer as Trainer
     else:
         from llamafactory.v1.trainers.sft_trainer import SFTTrainer as Trainer
-
     steps, tokens, twin = [], [0], twin_scale()
 
     class Timed(Trainer):
@@ -202,7 +189,6 @@ def run_v1(command: str, cfg_path: str, out_path: str) -> None:
 
     if os.environ.get(LAYER_UNITS_ENV) == "1":  # v1 plain with each decoder layer a unit, as git main wraps it
         from llamafactory_liger_fsdp.integration.v1 import layers
-
         layers.patch_finder()
     extra = {"twin_constants": twin_setup(twin)} if twin else {}
     profiler = twin_profiler() if twin else contextlib.nullcontext()

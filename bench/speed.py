@@ -216,10 +216,8 @@ def table(rows, plot_beside=None):
 
 def plot(groups, med, gpu, prefix):
     import matplotlib
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     variants = [v for v in ORDER if any(v in vs for vs in groups.values())]
     width = 0.8 / max(len(variants), 1)
     for key, k, label in (("tokens", 0, "tokens/s"), ("memory", 1, "peak GiB allocated")):

@@ -24,7 +24,6 @@ def install() -> None:
     from torch.profiler import record_function
 
     from llamafactory_liger_fsdp import gather, losses, ops
-
     def named(owner, attr, label):
         fn = getattr(owner, attr)
 
@@ -43,7 +42,6 @@ def install() -> None:
 
 def start():
     import torch
-
     act = torch.profiler.ProfilerActivity
     prof = torch.profiler.profile(activities=[act.CPU] + [act.CUDA] * torch.cuda.is_available())
     prof.__enter__()
@@ -67,7 +65,6 @@ def bucket(evt) -> str | None:
 def summary(prof, wall_s: float, top: int = 12) -> dict:
     """Stop ``prof``; the step's buckets (ms of GPU time), busy / idle ms, the head path's syncs, its top kernels."""
     from torch.autograd import DeviceType
-
     prof.__exit__(None, None, None)
     events = prof.events()
     ms, kernels = {"kernel": 0.0, "gather": 0.0, "head_rest": 0.0, "rest": 0.0}, {}

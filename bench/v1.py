@@ -66,7 +66,6 @@ def run(variant: str, model: str, data: str, work: str, args, tag: str) -> dict:
                             "modules_to_save": mts})
     if args.cp > 1:
         from llamafactory_liger_fsdp.integration.v1 import cp_args  # the keys as the installed v1 spells them
-
         cfg.update(cp_args.as_yaml(args.cp), flash_attn="flash_attention_2")
     if args.offload:  # FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer states on the host
         cfg["dist_config"] = dict(cfg["dist_config"], offload_params=True)
