@@ -6,9 +6,10 @@
 Per step: wall time (device-synchronised), peak ``max_memory_allocated`` in and before it (step 1: the set-up); no
 model saved. LLaMA-Factory: rank 0 writes, with per-phase peaks, the unrounded losses (mean over ranks) and each
 rank's peak. v1: each rank writes (rank r > 0 to ``result.json.rank<r>``), with v1's step loss and tokens.
-Environment: ``LF_BENCH_TWIN=s`` (the CPU memory twin, bench/common.py); ``LF_BENCH_LIGER_LOSS_ONLY=1`` (CPU smoke:
-Liger's fused loss alone runs interpreted); ``LF_BENCH_PROFILE=k`` (step k's torch profile, bench/step_profile.py);
-``LF_BENCH_LAYER_UNITS=1`` (v1: each decoder layer an FSDP2 unit, as git main wraps it)."""
+Environment: ``LF_BENCH_TWIN=s`` (the CPU memory twin, llamafactory_liger_fsdp/testing/memory_twin.py);
+``LF_BENCH_LIGER_LOSS_ONLY=1`` (CPU smoke: Liger's fused loss alone runs interpreted); ``LF_BENCH_PROFILE=k`` (step
+k's torch profile, bench/step_profile.py); ``LF_BENCH_LAYER_UNITS=1`` (v1: each decoder layer an FSDP2 unit, as git
+main wraps it)."""
 
 import contextlib
 import gc
@@ -22,7 +23,8 @@ from torch.autograd.profiler import record_function
 from transformers import TrainerCallback
 
 import step_profile
-from common import LAYER_UNITS_ENV, TWIN_ENV, AllocationTimeline, StepClock, peak_mib, twin_peaks, twin_setup
+from common import LAYER_UNITS_ENV, TWIN_ENV, StepClock, peak_mib
+from llamafactory_liger_fsdp.testing.memory_twin import AllocationTimeline, twin_peaks, twin_setup
 
 PHASES: dict = {}  # forward / backward peaks of the current step (see timed_backward)
 FORWARD: list = []  # the open "## forward" mark of the current micro-batch
@@ -34,7 +36,7 @@ def twin_scale() -> int:
 
 
 def twin_profiler():
-    """The twin's profile of every CPU allocation (read by common.AllocationTimeline)."""
+    """The twin's profile of every CPU allocation (read by memory_twin.AllocationTimeline)."""
     return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
 
 

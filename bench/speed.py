@@ -1,7 +1,7 @@
 """Side-by-side LLaMA-Factory runs on one GPU: tokens/s, peak memory and step losses per scenario (``SCENARIOS``) and
 variant, a JSON row per run appended to ``--out``; the 2-layer Llama-3-8B shape (real 128k head), each run
 bench/common.py's ``run``. ``--scenarios name:k`` gives a scenario k runs, ``name:k:a/b`` also its variants; odd runs
-play the variants reversed. ``--smoke``: CPU plumbing check. ``--table [--plot]``: medians, ratios and charts.
+play the variants reversed. ``--table [--plot]``: medians, ratios and charts.
 ``--twin S``: the CPU memory twin of ``--layers`` layers at ``--cutoff`` tokens (SFT) or a side (DPO), FSDP2 on one
 CPU rank, Triton interpreted; peaks CPU bytes x S^2. Setups and findings: bench/RESULTS.md sections 9 and 12.
 """
@@ -11,20 +11,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 
-from common import (MODELS, ROOT, SMOKE_CFG, SMOKE_ENV, TWIN_ENV, VARIANTS, append_row, build, card, card_key, commit,
-                    ds_json, dump_json, filling_words, load_rows, now, run, shim, tiny_assets, twin_groups, twin_lines,
-                    twin_spec, versions)
+from common import (MODELS, ROOT, TWIN_ENV, VARIANTS, append_row, build, card, card_key, commit, ds_json, dump_json,
+                    filling_words, load_rows, now, run, shim, twin_groups, twin_lines, twin_spec, versions)
 
 SPEC = MODELS["llama3-8b"]
 KEYS = {"plain": "plain", "liger": "liger", "plugin": "liger_fsdp_auto", "plugin+liger": "liger+liger_fsdp"}
 ALL4 = tuple(KEYS)
 HEAD_LORA = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
-# asset set -> (cutoff_len, answer words, rows) on the H200 / in --smoke; ~1.45 tokens a word with the tiny tokenizer
+# asset set -> (cutoff_len, answer words, rows); ~1.45 tokens a word with the tiny tokenizer
 ASSETS = {"sft": (16384, (300, 500), 400), "2k": (2048, (1500, 1600), 32), "8k": (8192, (6500, 7000), 32)}
-SMOKE_ASSETS = {"sft": (256, (6, 24), 64), "2k": (128, (100, 110), 16), "8k": (256, (200, 220), 16)}
 SFT_SETUP = "LoRA r16 all + embed_tokens,lm_head, 16k packed tokens a step"
 SCENARIOS = {
     "fsdp2_sft": dict(assets="sft", variants=ALL4, ds=None, setup=f"FSDP2, {SFT_SETUP}"),
@@ -45,25 +42,23 @@ for _loss, _pcfg in PREF.items():
                   f"cutoff_len {ASSETS[_len][0]}" + (" (tokens/s: input_ids only, not the KL completions)" * (_loss == "kto")))
 
 
-def assets(work, key, smoke):
+def assets(work, key):
     """The model + data directory of one asset set (the same random weights in every set: seed 0)."""
-    _, words, rows = (SMOKE_ASSETS if smoke else ASSETS)[key]
-    if smoke:
-        return tiny_assets(os.path.join(work, f"smoke_{key}"), "--rows", rows, "--answer-words", *words)
+    _, words, rows = ASSETS[key]
     return build(work, "llama3-8b" if key == "sft" else f"llama3-8b_pref{key}", SPEC, 2, rows=rows, answer_words=words,
                  seed=0)
 
 
-def run_args(work, name, mdir, smoke):
-    """(cutoff, yaml overrides, env) of a run of scenario ``name``."""
+def run_args(work, name, mdir):
+    """(cutoff, yaml overrides) of a run of scenario ``name``."""
     sc = SCENARIOS[name]
-    cutoff = (SMOKE_ASSETS if smoke else ASSETS)[sc["assets"]][0]
+    cutoff = ASSETS[sc["assets"]][0]
     cfg = {"dataset": "tiny_alpaca", **sc.get("cfg", {})}
     # tokenize once per asset set / stage / dataset / cutoff (LLaMA-Factory saves it there, later runs load it)
     cfg["tokenized_path"] = os.path.join(mdir, f"tokenized_{cfg.get('stage', 'sft')}_{cfg['dataset']}_{cutoff}")
-    if sc["ds"] and not smoke:
+    if sc["ds"]:
         cfg.update(fsdp=None, fsdp_config=None, deepspeed=ds_json(work, sc["ds"]))
-    return cutoff, {**cfg, **SMOKE_CFG} if smoke else cfg, dict(SMOKE_ENV) if smoke else {}
+    return cutoff, cfg
 
 
 TWIN_OFFERED = ("plain", "liger_fsdp", "liger_fsdp_fast", "liger_fsdp_auto", "liger_fsdp_noguard")  # interpreted
@@ -112,14 +107,13 @@ def twin(args, ap):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenarios", default=None, help="comma list (default: all; --smoke: fsdp2_sft,dpo_2k)")
-    ap.add_argument("--variants", default=None, help="comma list (default: each scenario's own; --smoke: plain,plugin)")
+    ap.add_argument("--scenarios", default=None, help="comma list (default: all)")
+    ap.add_argument("--variants", default=None, help="comma list (default: each scenario's own)")
     ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=None, help="default 5 (--smoke: 3)")
-    ap.add_argument("--out", default=None, help="default bench/results/{card}_speed.json (--smoke: a temp file)")
-    ap.add_argument("--work", default=None, help="default /tmp/real_size (--smoke: /tmp/speed_smoke)")
+    ap.add_argument("--steps", type=int, default=None, help="default 5")
+    ap.add_argument("--out", default=None, help="default bench/results/{card}_speed.json")
+    ap.add_argument("--work", default=None, help="default /tmp/real_size")
     ap.add_argument("--deadline", type=float, default=None, help="seconds from the start; no run starts past it")
-    ap.add_argument("--smoke", action="store_true", help="CPU plumbing check on the tiny local model")
     ap.add_argument("--table", action="store_true", help="print the medians of --out's rows; run nothing")
     ap.add_argument("--plot", action="store_true", help="with --table: draw the two charts beside --out")
     ap.add_argument("--twin", type=int, default=0, help="the CPU memory twin at this scale (8: 1/64 of the memory); "
@@ -134,8 +128,8 @@ def main():
     if args.table:
         return table([r for r in load_rows(args.out or os.path.join(ROOT, "bench", "results", "h200_speed.json"))
                       if not r.get("superseded")], args.out if args.plot else None)
-    t0, smoke = time.monotonic(), args.smoke
-    names = (args.scenarios or ("fsdp2_sft,dpo_2k" if smoke else ",".join(SCENARIOS))).split(",")
+    t0 = time.monotonic()
+    names = (args.scenarios or ",".join(SCENARIOS)).split(",")
     # "dpo_2k:1": that scenario's number of runs; "zero3_sft:1:plugin/plain": and its variants
     parts = {n.split(":")[0]: n.split(":")[1:] for n in names}
     runs = {n: int(p[0]) if p and p[0] else args.runs for n, p in parts.items()}
@@ -144,39 +138,36 @@ def main():
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
-    wanted = (args.variants or ("plain,plugin" if smoke else ",".join(KEYS))).split(",")
+    wanted = (args.variants or ",".join(KEYS)).split(",")
     if set(wanted) - set(KEYS):
         ap.error(f"unknown variant(s) {sorted(set(wanted) - set(KEYS))}; known: {', '.join(KEYS)}")
-    steps = args.steps or (3 if smoke else 5)
-    out = args.out or (os.path.join(tempfile.gettempdir(), "speed_smoke.json") if smoke else
-                       os.path.join(ROOT, "bench", "results", "{card}_speed.json"))
-    work = args.work or ("/tmp/speed_smoke" if smoke else "/tmp/real_size")
+    steps, work, gpu = args.steps or 5, args.work or "/tmp/real_size", card()
+    out = args.out or os.path.join(ROOT, "bench", "results", "{card}_speed.json")
     os.makedirs(work, exist_ok=True)
-    gpu = "cpu (smoke)" if smoke else card()
     out = out.replace("{card}", card_key(gpu))
     existing, vers, session = load_rows(out), versions(), now()
     done, skipped, walls = [], [], []
     for name in names:
         variants = [v for v in SCENARIOS[name]["variants"] if v in only.get(name, wanted)]
-        r0 = 1 + max((r["run"] for r in existing if r["scenario"] == name and bool(r.get("smoke")) == smoke), default=-1)
+        r0 = 1 + max((r["run"] for r in existing if r["scenario"] == name and not r.get("smoke")), default=-1)
         for r in range(r0, r0 + runs[name]):
             for variant in variants if r % 2 == 0 else variants[::-1]:
-                mdir = assets(work, SCENARIOS[name]["assets"], smoke)
+                mdir = assets(work, SCENARIOS[name]["assets"])
                 elapsed = time.monotonic() - t0
                 if args.deadline and elapsed + max(walls, default=45) > args.deadline:
                     skipped.append(f"{name}:{variant}:r{r}")
                     continue
-                cutoff, cfg, env = run_args(work, name, mdir, smoke)
+                cutoff, cfg = run_args(work, name, mdir)
                 timeout = max(30, args.deadline - elapsed) if args.deadline else 900
                 start = time.monotonic()
-                row = run(mdir, SPEC, KEYS[variant], steps, work, cutoff=cutoff, overrides=cfg, env=env,
+                row = run(mdir, SPEC, KEYS[variant], steps, work, cutoff=cutoff, overrides=cfg,
                           tag=f"{name}_{variant}_r{r}", timeout=timeout)
                 walls.append(time.monotonic() - start)
                 if args.deadline and str(row.get("error", "")).startswith("timeout"):  # the budget's, not a result
                     skipped.append(f"{name}:{variant}:r{r}(stopped at the deadline)")
                     continue
                 row.update(scenario=name, variant=variant, run=r, wall_s=round(walls[-1], 1), date=now(), session=session,
-                           card=gpu, versions=vers, smoke=smoke, steps=steps, cutoff_len=cutoff,
+                           card=gpu, versions=vers, steps=steps, cutoff_len=cutoff,
                            setup=SCENARIOS[name]["setup"])
                 done.append(row)
                 dump_json(out, load_rows(out) + [row])  # a bare list, as the file has always been
@@ -186,7 +177,7 @@ def main():
           + " ".join(f"{k} {v}" for k, v in vers.items()))
     if skipped:
         print(f"not run (--deadline {args.deadline:.0f} s): {' '.join(skipped)}")
-    table([r for r in load_rows(out) if bool(r.get("smoke")) == smoke and not r.get("superseded")])
+    table([r for r in load_rows(out) if not r.get("smoke") and not r.get("superseded")])
 
 
 ORDER = ("plain", "liger", "plugin", "plugin+liger", "plugin@persist")  # plugin@persist: rows of a removed scenario

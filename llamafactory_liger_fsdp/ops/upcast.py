@@ -2,7 +2,7 @@
 
 A CPU has no 16-bit x 16-bit -> fp32 GEMM, so the kernels and the guard's fp32 head copy their 16-bit operands to fp32
 there; a GPU multiplies the 16-bit operands as they are. Those copies run inside :data:`SCOPE` (a
-``torch.profiler.record_function`` scope), so a CPU run that stands in for a GPU run's memory (bench/common.py's twin)
+``torch.profiler.record_function`` scope), so a CPU run that stands in for a GPU run's memory (testing/memory_twin.py)
 can leave them out.
 """
 
