@@ -28,4 +28,5 @@ DS_BUILD_OPS=0 "$tmp/venv/bin/pip" wheel -q --no-deps --no-build-isolation -w .w
 python3 -m pip wheel -q --no-deps -w .whl .
 rm -rf build ./*.egg-info
 git rev-parse HEAD > .whl/PLUGIN_COMMIT
+bash bench/run_gpu.sh source-hash > .whl/PLUGIN_SOURCE  # run_gpu.sh refuses a wheel older than the tree
 ls .whl && du -sh .whl

@@ -19,8 +19,16 @@ LIMIT=${LIMIT:-570}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@" || exit 1; }
+source_hash() {  # the package's files as the working tree has them (make_wheels.sh keeps the wheel's in .whl/PLUGIN_SOURCE)
+  find llamafactory_liger_fsdp -type f \( -name '*.py' -o -name '*.json' -o -name '*.pth' \) | sort | xargs sha256sum \
+    | sha256sum | cut -c1-16
+}
 install_stack() {  # the plugin's wheel pip-installed for real (its .pth hook must land in site-packages), then the rest
-  python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/llamafactory_liger_fsdp-*.whl || exit 1
+  if [ "$(cat .whl/PLUGIN_SOURCE 2>/dev/null)" != "$(source_hash)" ]; then  # a stale wheel fails every run at import
+    echo "run_gpu.sh: .whl/ holds a plugin wheel built from other sources than this tree: bash bench/make_wheels.sh" >&2
+    exit 1
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --force-reinstall .whl/llamafactory_liger_fsdp-*.whl || exit 1
   install $(ls .whl/*.whl | grep -v llamafactory_liger_fsdp)
   export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 }
@@ -34,6 +42,7 @@ failed_logs() {  # the log tails of runs that left no result JSON
     [ -e "$f" ] && [ ! -s "${f%.log}.json" ] && tail -c 4000 "$f" > "$OUT/fail_$(basename "$f")"
   done 2>/dev/null
 }
+[ "${1:-}" != source-hash ] || { source_hash; exit 0; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 case "${1:-}" in
   kernel)
