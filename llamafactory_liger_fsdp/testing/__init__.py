@@ -4,7 +4,8 @@ batches: what the tests, the 2-process workers and the benchmarks compare agains
 ``FAMILY_CONFIGS`` is the core set (text models, the shared parity tests); ``ALL`` names every tiny model
 (:mod:`.configs`: every text and vision-language family); :func:`make_inputs` gives a batch for any of them.
 ``cpu_fsdp_shim/`` and ``cpu_v1_shim/`` are directories a CPU run puts on PYTHONPATH (their ``sitecustomize``: accelerate
-shards on CPU ranks; v1's step-end synchronize is skipped without a GPU), for tests/ and bench/ alike.
+shards on CPU ranks; v1's step-end synchronize is skipped without a GPU), for tests/ and bench/ alike;
+:mod:`.memory_twin` is the CPU memory twin's side inside a launched run (a GPU run's peak from a CPU run at 1/s sizes).
 """
 
 from __future__ import annotations
