@@ -3,7 +3,7 @@ argument, against those CI saw on its three stacks (``fingerprints.json``, recor
 llamafactory_liger_fsdp fingerprints --record``).
 
 Every commit of LLaMA-Factory's git main reports ``0.9.6.dev0``, so a version string cannot say whether the trainer
-methods the plugin depends on are the ones CI ran. A *piece* (:data:`PIECES`) is named ``module:Qualified.name``;
+methods the plugin depends on are the ones CI ran. A *piece* (:mod:`.pieces`) is named ``module:Qualified.name``;
 its fingerprint is a hash of the function's syntax tree (docstrings and positions dropped: formatting and comments do
 not count, any statement does) of the unwrapped original. A piece is judged only once a run uses it: the original of
 a :mod:`._patch` patch is marked used by the patch itself, a piece read or mirrored without a patch by :func:`use`.
@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib
 import inspect
 import json
 import os
 import textwrap
-from dataclasses import dataclass
 from typing import Any
+
+# the table of pieces lives in .pieces; all its names stay importable from here
+from .pieces import PIECES, Piece, definition, family_pieces, original, registry, resolve  # noqa: F401
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fingerprints.json")
 NO_SOURCE = "no-source"
@@ -31,56 +32,9 @@ SAID = "untested_code"
 FIX = ("Fix: install the tested versions (README, \"Supported versions\"), or remove `liger_fsdp`, and report this "
        "line with the pieces named")
 
-
-@dataclass(frozen=True)
-class Piece:
-    name: str  # "module:Qualified.name" where it is defined (a family's forward: where transformers exports it)
-    compared: bool  # the first-step guard runs this very function as its reference side and compares the result
-    why: str
-
-
-_SP = "llamafactory.v1.plugins.model_plugins.parallelization.sequence_parallel"
-_DPO1 = "llamafactory.v1.trainers.dpo_trainer:DPOTrainer"
-_RM1 = "llamafactory.v1.trainers.rm_trainer:RMTrainer"
-
-#: Every upstream function the plugin depends on, beyond the families' (:func:`family_pieces`).
-PIECES: tuple[Piece, ...] = (
-    Piece("llamafactory.train.dpo.trainer:CustomDPOTrainer.concatenated_forward", True, "replaced (fused log-probs)"),
-    Piece("llamafactory.train.kto.trainer:CustomKTOTrainer.forward", True, "replaced (fused log-probs)"),
-    Piece("llamafactory.v1.core.base_trainer:BaseTrainer.compute_log_probs", True,
-          "replaced; run with a stand-in model that records its inputs"),
-    Piece(f"{_DPO1}.__init__", False, "run without its cp_size refusal under CP"),
-    Piece(f"{_DPO1}.compute_loss", True, "replaced; its logic kept after the fused log-probs"),
-    Piece(f"{_DPO1}._compute_ref_logps", True, "replaced (fused reference log-probs)"),
-    Piece(f"{_DPO1}._init_ref_model", False, "wrapped: the deep-copied reference engaged on its own"),
-    Piece(f"{_RM1}.__init__", False, "run without its cp_size refusal under CP"),
-    Piece(f"{_RM1}.compute_loss", True, "run with a recording stand-in model and on gathered scores under CP"),
-    Piece(f"{_SP}:sequence_parallel_loss", True, "replaced under CP (fused log-probs on each shard)"),
-    Piece("llamafactory.v1.plugins.trainer_plugins.distributed.fsdp2:get_transformer_layer_cls", False,
-          "answered as git main's where it misses the decoder layers"),
-    Piece("transformers.loss.loss_utils:ForCausalLMLoss", True, "its arithmetic mirrored by the fused kernel"),
-)
-
-
-def family_pieces() -> tuple[Piece, ...]:
-    """Each family's model-class ``forward`` (its quirks were read off it; the guard compares the model's own loss)."""
-    from . import families
-
-    return tuple(Piece(f"transformers:{f.cls}.forward", True, f"quirks of `{f.model_type}` read off it")
-                 for f in families.FAMILIES.values() if f.refuse is None)
-
-
-_REGISTRY: dict[str, Piece] | None = None
 _PRINTS: dict[str, tuple[Any, str]] = {}  # name -> (the function hashed, its fingerprint): hashed once per process
 _USED: dict[str, None] = {}  # names used by runs in this process, in order
 _DATA: dict | None = None
-
-
-def registry() -> dict[str, Piece]:
-    global _REGISTRY
-    if _REGISTRY is None:
-        _REGISTRY = {p.name: p for p in (*PIECES, *family_pieces())}
-    return _REGISTRY
 
 
 # --------------------------------------------------------------------------- the fingerprint
@@ -103,12 +57,6 @@ def _canonical(node: Any) -> Any:
     return repr(node)
 
 
-def original(fn: Any) -> Any:
-    """The function under the plugin's (and any ``functools.wraps``) wrappers; a bound method's function."""
-    fn = getattr(fn, "__func__", fn)
-    return inspect.unwrap(fn)
-
-
 def fingerprint(fn: Any) -> str:
     """16 hex digits of the hash of ``fn``'s syntax tree (:data:`NO_SOURCE` when its source cannot be read)."""
     fn = original(fn)
@@ -118,20 +66,6 @@ def fingerprint(fn: Any) -> str:
         return NO_SOURCE
     text = json.dumps(_canonical(tree.body[0] if len(tree.body) == 1 else tree), separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def definition(fn: Any) -> str:
-    fn = original(fn)
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', getattr(fn, '__name__', '?'))}"
-
-
-def resolve(name: str) -> Any:
-    """The function a piece names (imports its module); AttributeError/ImportError where this stack has none."""
-    module, _, path = name.partition(":")
-    obj: Any = importlib.import_module(module)
-    for attr in path.split("."):
-        obj = getattr(obj, attr)
-    return obj
 
 
 def _print_of(name: str, fn: Any = None) -> str:
@@ -161,7 +95,7 @@ def _name_of(target: Any) -> str:
     else:
         name = definition(target)
     if name not in registry():
-        raise KeyError(f"{name} is not a registered piece (llamafactory_liger_fsdp/fingerprints.py, PIECES)")
+        raise KeyError(f"{name} is not a registered piece (llamafactory_liger_fsdp/pieces.py, PIECES)")
     return name
 
 
