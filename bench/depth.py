@@ -371,7 +371,8 @@ def main():
     ap.add_argument("--runs", type=int, default=1, help="runs at each cutoff (order alternating)")
     ap.add_argument("--steps", type=int, default=None, help="default 5 (dpo / vlm 6, smoke 3)")
     ap.add_argument("--deadline", type=float, default=None, help="seconds from the start; no run starts past it")
-    ap.add_argument("--out", default=None, help="the rows' JSON (default bench/results/{card}_depth.json; smoke: temp)")
+    ap.add_argument("--out", default=None, help="the rows' JSON (default bench/results/{card}_depth.json, --model "
+                    "other than llama3-8b {card}_depth_small.json; smoke: temp)")
     ap.add_argument("--work", default=None, help="default /tmp/real_size (smoke: /tmp/depth_smoke)")
     ap.add_argument("--plot", action="store_true", help="table: also draw sft's charts beside --out")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check on tiny local models")
@@ -379,7 +380,8 @@ def main():
     if args.part == "build-vlm":
         return build_vlm(args.work, args.smoke)
     out = args.out or (os.path.join(tempfile.gettempdir(), "depth_smoke.json") if args.smoke else
-                       os.path.join(ROOT, "bench", "results", "{card}_depth.json"))
+                       os.path.join(ROOT, "bench", "results", "{card}_depth" + "_small" * (args.model != "llama3-8b")
+                                    + ".json"))  # the small models' rows apart: figures read the Llama rows
     if args.part == "table":
         rows = load_rows(out)
         for part in ("sft", "dpo", "vlm"):

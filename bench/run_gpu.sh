@@ -33,7 +33,7 @@ install_stack() {  # the plugin's wheel pip-installed for real (its .pth hook mu
   export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 }
 keep_rows() {  # $OUT/<card>_$1.json starts as a copy of bench/results' (the rows so far, appended to)
-  for f in bench/results/*_"$1".json; do
+  for f in bench/results/*_"$1".json bench/results/*_"$1"_small.json; do
     if [ -f "$f" ] && [ ! -e "$OUT/$(basename "$f")" ]; then cp "$f" "$OUT/"; fi
   done
 }

@@ -11,7 +11,7 @@ import os
 
 SCOPES = {"liger_fsdp.kernel": "kernel", "liger_fsdp.gather": "gather", "liger_fsdp.head": "head_rest"}
 BACKWARD = "FLCEBackward"  # the ops' autograd Functions: _FastFLCE, _LeanFLCE, _StoredDzFLCE, _TorchFLCE
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")  # not cudaMemcpyAsync
 
 
 def wanted() -> int:
