@@ -24,7 +24,7 @@ import textwrap
 from typing import Any
 
 # the table of pieces lives in .pieces; all its names stay importable from here
-from .pieces import PIECES, Piece, definition, family_pieces, original, registry, resolve  # noqa: F401
+from .pieces import PIECES, Piece, definition, family_pieces, installed, original, registry, resolve  # noqa: F401
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fingerprints.json")
 NO_SOURCE = "no-source"
@@ -128,19 +128,9 @@ def _unseen_pieces() -> list[Piece]:
     return [registry()[n] for n in _USED if _PRINTS[n][1] not in data.get(n, {})]
 
 
-def _installed(dist: str) -> str | None:
-    """The installed version of ``dist`` (read here, not from :mod:`.versions`, which reads this module)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def _dist(name: str) -> str:
     top = name.split(".", 1)[0].split(":", 1)[0]
-    return f"{top} {_installed(top) or '?'}"
+    return f"{top} {installed(top) or '?'}"
 
 
 def unseen() -> list[str]:
@@ -185,7 +175,7 @@ def this_stack(prefix: str = "") -> dict[str, str]:
 
 
 def stack_label() -> str:
-    return ", ".join(f"{n} {_installed(n)}" for n in ("llamafactory", "transformers"))
+    return ", ".join(f"{n} {installed(n)}" for n in ("llamafactory", "transformers"))
 
 
 def missing(prefix: str = "") -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
 
@@ -73,6 +74,15 @@ def definition(fn: Any) -> str:
     """The piece name of ``fn``'s original: ``module:Qualified.name`` where it is defined."""
     fn = original(fn)
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', getattr(fn, '__name__', '?'))}"
+
+
+def installed(dist: str) -> str | None:
+    """The installed version of distribution ``dist``; None where it is not installed (:mod:`.versions` and
+    :mod:`.fingerprints` both read it here, below them both)."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def resolve(name: str) -> Any:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Callable
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
+
+from .pieces import installed  # noqa: F401  (versions.installed: what the checks below and their callers read)
 
 #: distribution -> the oldest release the plugin works with (refused below).
 MINIMUM = {
@@ -73,13 +74,6 @@ BROKEN = (
            "('only 0-dimensional arrays can be converted to Python scalars') at the first kernel launch",
            "pip install 'numpy<2.4' (or triton >= 3.7), or unset TRITON_INTERPRET", _interpreted),
 )
-
-
-def installed(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _parse(version: str) -> Version | None:
