@@ -176,10 +176,21 @@ def filling_words(cutoff: int) -> int:
     return int(cutoff / 1.3)
 
 
+def _depth_name(spec: str) -> str:
+    return f"{spec}-L{DEPTH_LAYERS[spec]}"
+
+
+def _depth_build(work: str, spec: str) -> str:
+    """WORK/<spec>-L<layers>: ``MODELS[spec]`` at its real depth (``DEPTH_LAYERS``), positions to 128k, with six 128k
+    packs of data (made once: :func:`build` returns at once when it exists)."""
+    return build(work, _depth_name(spec), MODELS[spec], DEPTH_LAYERS[spec], rows=1400,
+                 answer_words=(300, 500), max_position=131072, seed=0)
+
+
 def build_depth_model(work: str, spec: str = "llama3-8b") -> str:
-    """WORK/<spec>-L<layers>: ``MODELS[spec]`` at its real depth (``DEPTH_LAYERS``) with six 128k packs of data,
-    built once in a process of its own (the caller then holds no CUDA context: half a GiB the runs would lack)."""
-    mdir = os.path.join(work, f"{spec}-L{DEPTH_LAYERS[spec]}")
+    """:func:`_depth_build`'s directory, built in a process of its own (the caller then holds no CUDA context: half
+    a GiB the runs would lack)."""
+    mdir = os.path.join(work, _depth_name(spec))
     if not os.path.exists(os.path.join(mdir, "model", "config.json")):
         t0 = time.monotonic()
         subprocess.run([sys.executable, os.path.abspath(__file__), work, spec], check=True)
@@ -377,6 +388,4 @@ def twin_lines(groups: list, top: int = 14) -> list:
 
 
 if __name__ == "__main__":  # build_depth_model's process
-    work, spec = sys.argv[1:3]
-    print(build(work, f"{spec}-L{DEPTH_LAYERS[spec]}", MODELS[spec], DEPTH_LAYERS[spec], rows=1400,
-                answer_words=(300, 500), max_position=131072, seed=0))
+    print(_depth_build(*sys.argv[1:3]))
