@@ -315,7 +315,8 @@ def run(mdir, spec, variant, steps, work, *, nproc=1, fsdp_version=2, cutoff=163
     seen = [s["tokens_seen"] for s in steps]
     # tokens_seen counts every rank's tokens
     per_step = (seen[-1] - seen[0]) / max(len(seen) - 1, 1) if seen[-1] else cutoff * nproc
-    row.update(step_times=[s["s"] for s in steps], step1_peak_gib=steps[0]["peak_mib"] / 1024,
+    row.update(step_times=[s["s"] for s in steps], step_compiles=[s.get("compiles", []) for s in steps],
+               step1_peak_gib=steps[0]["peak_mib"] / 1024,
                setup_peak_gib=steps[0].get("before_peak_mib", 0.0) / 1024,  # model load, wrapping, optimizer creation
                between_peak_gib=max((s.get("before_peak_mib", 0.0) for s in steps[1:]), default=0.0) / 1024,
                tokens_per_step=per_step, step_s=statistics.median(times), tokens_per_s=per_step / statistics.median(times),

@@ -37,7 +37,7 @@ VARIANTS = {  # row variant -> (bench/common.py's VARIANTS key, extra yaml keys)
 }
 RUN_KEYS = ("peak_gib", "step_losses", "step_times", "step_s", "tokens_per_step", "setup_peak_gib", "between_peak_gib",
             "forward_peak_gib", "backward_peak_gib", "optimizer_peak_gib", "engaged", "guard", "memory_line",
-            "liger_line", "cast", "profile")  # what a row keeps of common.run's
+            "liger_line", "cast", "profile", "step_compiles")  # what a row keeps of common.run's
 PAIRS = (("plain", "plugin"), ("liger", "plugin+liger"))  # (baseline, ours) compared in the table
 DEFAULT_CUTOFFS = {"sft": "32768", "dpo": "2048,8192", "vlm": "8192,16384"}
 QWEN25_VL_7B = dict(
@@ -181,6 +181,10 @@ def measure(args, out) -> None:
         print(f"[depth] -> {'fits' if row['fits'] else 'does not fit'}: {row['tokens_per_s'] or 0:.0f} tok/s, "
               f"{row['peak_gib'] or 0:.2f} GiB, {row['wall_s']:.0f} s; {row['engaged']}; {row['guard']} "
               f"{'' if row['fits'] else (row['error'] or '')[:300]}", flush=True)
+        late = [f"step {i + 1}: " + ", ".join(f"{n} {t}s" for n, t in c)
+                for i, c in enumerate(row.get("step_compiles") or []) if i and c]
+        if late:  # a Triton compile after step 1 stalls its step
+            print(f"[depth]    Triton compiles after step 1: {'; '.join(late)}", flush=True)
         return row
 
     ladder = sorted({c for c in (LADDER if not args.smoke else (64, 128, 256, 512)) if c <= args.max_cutoff}

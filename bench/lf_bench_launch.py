@@ -3,7 +3,7 @@
     torchrun --nproc_per_node N bench/lf_bench_launch.py cfg.yaml result.json            # as llamafactory/launcher.py
     torchrun --nproc_per_node N bench/lf_bench_launch.py v1 sft|dpo cfg.yaml result.json  # v1, as its run_sft / run_dpo
 
-Per step: wall time (device-synchronised), peak ``max_memory_allocated`` in and before it (step 1: the set-up); no
+Per step: wall time (device-synchronised), the Triton kernels it compiled, peak ``max_memory_allocated`` in and before it (step 1: the set-up); no
 model saved. LLaMA-Factory: rank 0 writes, with per-phase peaks, the unrounded losses (mean over ranks) and each
 rank's peak. v1: each rank writes (rank r > 0 to ``result.json.rank<r>``), with v1's step loss and tokens.
 Environment: ``LF_BENCH_TWIN=s`` (the CPU memory twin, llamafactory_liger_fsdp/testing/memory_twin.py);
@@ -48,6 +48,7 @@ class BenchCallback(TrainerCallback):
         self.run_peak, self.phase = 0.0, {}
         self.twin_prof = None  # LF_BENCH_TWIN: the run's allocation profile
         self.prof = self.profile = None  # LF_BENCH_PROFILE (bench/step_profile.py)
+        self.compiles = step_profile.Compiles()  # Triton compiles per step
 
     def on_step_begin(self, args, state, control, **kw):
         self.prof = step_profile.start() if step_profile.wanted() == state.global_step + 1 else None
@@ -69,7 +70,7 @@ class BenchCallback(TrainerCallback):
         if self.prof is not None:  # LF_BENCH_PROFILE: this step's time is left out of tokens/s
             self.profile, self.phase["profiled"] = step_profile.summary(self.prof, elapsed), True
         self.run_peak = max(self.run_peak, peak, *(v for k, v in self.phase.items() if k.endswith("_peak_mib")))
-        self.steps.append({"s": elapsed, "peak_mib": self.run_peak, **self.phase,
+        self.steps.append({"s": elapsed, "peak_mib": self.run_peak, **self.phase, "compiles": self.compiles.take(),
                            "tokens_seen": int(getattr(state, "num_input_tokens_seen", 0) or 0)})
         self.step_losses.append(sum(self.micro_losses))
 

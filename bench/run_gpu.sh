@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call of a bench script on a machine whose image has torch and triton but not the rest of the stack (the
 # lent device tool's), so anyone can rerun the figures of bench/RESULTS.md:
-#   bash bench/run_gpu.sh kernel                          # bench_flce.py --check, then the benchmark (KERNEL_ARGS)
+#   bash bench/run_gpu.sh kernel                          # bench_flce.py --check (CHECK=0: not), then the benchmark
+#                                                         # (KERNEL_ARGS; rows to <card>_${KERNEL_ROWS:-kernel3}.json)
 #   DEPTH_ARGS="sft --cutoffs 32768 --search" bash bench/run_gpu.sh depth   # bench/depth.py (sft, dpo or vlm)
 #   SPEED_ARGS="--scenarios fsdp2_sft --runs 2" bash bench/run_gpu.sh speed # bench/speed.py
 #   V1_ARGS="--runs 2" bash bench/run_gpu.sh v1                              # bench/v1.py
@@ -48,9 +49,11 @@ case "${1:-}" in
   kernel)
     install .whl/liger_kernel-*.whl
     export PYTHONPATH=/tmp/site:$PWD
-    timeout $((LIMIT * 3 / 10)) python3 bench/bench_flce.py --check --out "$OUT/{card}_kernel3_check.json" > "$OUT/check.log" 2>&1
+    if [ "${CHECK:-1}" = 1 ]; then  # CHECK=0: the sweep alone
+      timeout $((LIMIT * 3 / 10)) python3 bench/bench_flce.py --check --out "$OUT/{card}_kernel3_check.json" > "$OUT/check.log" 2>&1
+    fi
     timeout $((LIMIT - SECONDS)) python3 bench/bench_flce.py --deadline $((LIMIT - 30 - SECONDS)) \
-      --out "$OUT/{card}_kernel3.json" ${KERNEL_ARGS:-} 2>&1 | tail -60 | tee "$OUT/kernel.log"
+      --out "$OUT/{card}_${KERNEL_ROWS:-kernel3}.json" ${KERNEL_ARGS:-} 2>&1 | tail -60 | tee "$OUT/kernel.log"
     ;;
   depth|speed|v1|v1cp)
     install_stack  # the plugin's wheel is built from a commit (.whl/PLUGIN_COMMIT, recorded on the depth rows)

@@ -2,7 +2,8 @@
 GPU time split by who launched it: ``kernel`` (the fused loss, forward and its autograd backward), ``gather`` (the
 head's weights through its FSDP unit), ``head_rest`` (the rest of ``HeadLoss.loss`` / ``token_logps``), ``rest``
 (everything else); beside them the step's wall time, the GPU's busy and idle time, and the host syncs and host time
-of the plugin's head path. Plain and Liger runs get the same totals (no plugin ranges)."""
+of the plugin's head path; the GPU time no host op claims (``unlinked_ms``, its top kernels). Plain and Liger runs get
+the same totals (no plugin ranges). :class:`Compiles`: the Triton kernels each step compiled (every run)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,34 @@ import os
 SCOPES = {"liger_fsdp.kernel": "kernel", "liger_fsdp.gather": "gather", "liger_fsdp.head": "head_rest"}
 BACKWARD = "FLCEBackward"  # the ops' autograd Functions: _FastFLCE, _LeanFLCE, _StoredDzFLCE, _TorchFLCE
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")  # not cudaMemcpyAsync
+
+
+class Compiles:
+    """The Triton JIT compiles of a process (kernel name, seconds), through Triton's jit cache / post-compile hooks:
+    a kernel compiled in a later step (a new specialization: another row count's divisibility or alignment) stalls
+    that step. ``take()``: the compiles since the last take."""
+
+    def __init__(self):
+        self.done, self._t0 = [], {}
+        try:
+            from triton import knobs
+        except ImportError:  # no Triton: nothing compiles
+            return
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
+
+    def _before(self, *, key, fn, **_):
+        import time
+        self._t0[fn.name, str(key)] = time.perf_counter()
+        return False  # compile it
+
+    def _after(self, *, key, fn, **_):
+        import time
+        t0 = self._t0.pop((fn.name, str(key)), None)
+        self.done.append([fn.name, round(time.perf_counter() - t0, 3) if t0 else None])
+
+    def take(self) -> list:
+        out, self.done = self.done, []
+        return out
 
 
 def wanted() -> int:
@@ -86,10 +115,20 @@ def summary(prof, wall_s: float, top: int = 12) -> dict:
     for s, e in sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA):
         busy, end = busy + max(0.0, e - max(s, end)), max(end, e)
     busy_ms = busy / 1e3
+    unlinked = {}  # the GPU's events by name, less what the host ops above claimed
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            unlinked[e.name[:90]] = unlinked.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+    for evt in events:
+        if evt.device_type == DeviceType.CPU and not evt.is_async:
+            for k in evt.kernels:
+                unlinked[k.name[:90]] = unlinked.get(k.name[:90], 0.0) - k.duration / 1e3
     return dict(step_ms=round(wall_s * 1e3, 2), gpu_busy_ms=round(busy_ms, 2),
                 gpu_idle_ms=round(wall_s * 1e3 - busy_ms, 2), **{f"{k}_ms": round(v, 3) for k, v in ms.items()},
                 plugin_ms=round(ms["kernel"] + ms["gather"] + ms["head_rest"], 3), head_syncs=syncs,
-                head_cpu_ms=round(head_cpu, 3),
+                head_cpu_ms=round(head_cpu, 3), unlinked_ms=round(sum(v for v in unlinked.values() if v > 0), 3),
+                unlinked_top=[dict(kernel=n, ms=round(v, 3)) for n, v in sorted(unlinked.items(), key=lambda kv: -kv[1])
+                              [:top] if v > 0.01],
                 top=[dict(bucket=b, kernel=n, ms=round(v, 3))
                      for (b, n), v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]])
 
@@ -99,4 +138,4 @@ def profile_line(p: dict) -> str:
     return (f"step {p['step_ms']:.0f} ms, GPU busy {p['gpu_busy_ms']:.0f} (idle {p['gpu_idle_ms']:.0f}); plugin "
             f"{p['plugin_ms']:.1f} = kernel {p['kernel_ms']:.1f} + gather {p['gather_ms']:.1f} + head rest "
             f"{p['head_rest_ms']:.1f}; rest {p['rest_ms']:.0f}; head syncs {p['head_syncs']['count']}, host "
-            f"{p['head_cpu_ms']:.1f} ms")
+            f"{p['head_cpu_ms']:.1f} ms" + (f"; unlinked {p['unlinked_ms']:.0f}" if "unlinked_ms" in p else ""))

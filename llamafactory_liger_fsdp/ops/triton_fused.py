@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._log import info_rank0
-from .triton_kernels import dz_block, softcap_tanh
+from .triton_kernels import bf16_rne, dz_block, softcap_tanh
 
 FORCE = False  # tests: run it wherever it can (the CPU interpreter too)
 # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, GROUP_M, warp-specialized (h200_triton_gemm_probe.json, commit 7a2f014)
@@ -43,17 +43,15 @@ _failed: list[str] = []
 
 @triton.jit
 def _round16(g, IS_BF16: tl.constexpr):
-    """fp32 ``g`` rounded once to bf16 (to nearest even by hand, as :func:`.triton_kernels._round_to`) or fp16."""
+    """fp32 ``g`` rounded once to bf16 (:func:`.triton_kernels.bf16_rne`) or fp16."""
     if IS_BF16:  # (an if / else: one return, whose type the constexpr picks)
-        bits = g.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        out = bf16_rne(g)
     else:
         out = g.to(tl.float16)
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["y_ptr"])  # see triton_kernels
 def _fused_kernel(
     a_desc, b_desc, z_desc, dz_desc, part_ptr, y_ptr, m_ptr, inv_s_ptr, M, N, K, n_tiles_n, softcap, off_target,
     out_scale, EPI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, IS_BF16: tl.constexpr,

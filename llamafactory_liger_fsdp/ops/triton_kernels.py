@@ -1,8 +1,9 @@
 """The Triton kernels of the fused loss and their launchers: per-row softmax statistics of fp32 logits, dz (into its
 own buffer or written over the logits), the target term's row sums, and the final scale-and-round of a gradient.
 
-bf16 is rounded to nearest even by hand (:func:`_round_to`): the GPU's cast gives the same bits, the interpreter's
-truncates. No atomics; fixed reduction orders.
+bf16 is rounded to nearest even by hand (:func:`bf16_rne`): the GPU's cast gives the same bits, the interpreter's
+truncates. No atomics; fixed reduction orders. Row counts (and pointers into a slice of rows) are not specialized
+(``do_not_specialize``): a new number of labelled rows must not compile a kernel again in the middle of training.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def softcap_tanh(z, softcap):
     return softcap * th, th
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"],
+            do_not_specialize_on_alignment=["m_ptr", "s_ptr", "t_ptr", "zs_ptr"])
 def stats_kernel(
     z_ptr, stride_z, y_ptr, m_ptr, s_ptr, t_ptr, zs_ptr, stride_p, n_rows, n_cols, cols_per_split, col_offset,
     softcap, HAS_SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -107,17 +109,23 @@ def dz_block(z, m, inv_s, softcap, off_target, out_scale, HAS_SOFTCAP: tl.conste
 
 
 @triton.jit
-def _round_to(g, dst_ptr, IS_BF16: tl.constexpr):
-    """fp32 ``g`` rounded once to the dtype of ``dst_ptr``; bf16 to nearest even by hand (the GPU's cast gives the same
-    bits, the interpreter's truncates)."""
-    if IS_BF16:
-        bits = g.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return g.to(dst_ptr.dtype.element_ty)
+def bf16_rne(g):
+    """fp32 ``g`` rounded to bf16, to nearest even, by hand: the GPU's cast gives the same bits, the interpreter's
+    truncates (the one copy of this trick: the passes here and the fused GEMM's epilogue, ``triton_fused``)."""
+    bits = g.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
+def _round_to(g, dst_ptr, IS_BF16: tl.constexpr):
+    """fp32 ``g`` rounded once to the dtype of ``dst_ptr`` (bf16: :func:`bf16_rne`)."""
+    if IS_BF16:
+        return bf16_rne(g)
+    return g.to(dst_ptr.dtype.element_ty)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
 def _dz_kernel(
     z_ptr, stride_z, dz_ptr, stride_dz, m_ptr, inv_s_ptr, n_rows, n_cols, softcap, off_target, out_scale,
     HAS_SOFTCAP: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
@@ -140,7 +148,7 @@ def _dz_kernel(
     tl.store(dz_ptr + r64 * stride_dz + cols[None, :], out, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _dz_inplace_kernel(
     z_ptr, stride_z, dz_ptr, stride_dz, m_ptr, inv_s_ptr, n_rows, n_cols, softcap, off_target, out_scale,
     HAS_SOFTCAP: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
@@ -163,7 +171,8 @@ def _dz_inplace_kernel(
         tl.store(dz_ptr + r64 * stride_dz + cols[None, :], out, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_dst"],
+            do_not_specialize_on_alignment=["starts_ptr"])
 def _rows_axpy_kernel(
     dst_ptr, stride_dst, dst_rows_ptr, src_ptr, stride_src, src_rows_ptr, coef_ptr, starts_ptr, n_dst, n_cols,
     BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
@@ -202,7 +211,7 @@ def rows_axpy(dst, dst_rows, src, src_rows, coef, starts):
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _scale_cast_kernel(
     src_ptr, stride_src, dst_ptr, stride_dst, dst_rows_ptr, scale_ptr, n_rows, n_cols,
     ROW_SCALE: tl.constexpr, SCATTER: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr,
