@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from . import guard_slice, versions
+from .collective import all_max, collective_device  # noqa: F401  (guard.all_max: tests replace it)
 from ._log import info_rank0, rank
 from .config import LigerFsdpConfigError, LigerFsdpDataError
 from .forward_state import original_forwards, state_of
@@ -101,28 +102,6 @@ def vocab_problem(causal_lm, ids, labels: torch.Tensor, shift_labels, ignore_ind
             if bool(wrong.any()):
                 return f"label {int(y[wrong][0])} in {what}, outside the {v} rows of the head (not ignore_index)"
     return None
-
-
-def collective_device(group=None) -> torch.device:
-    """The device the tensors of a collective over ``group`` (default: the world) live on: the CPU for a gloo-only
-    group, else the current accelerator device (NCCL: the current CUDA device) -- never a parameter's (CPU offload).
-    Without a process group: the accelerator's device (where training computes), else the CPU."""
-    dist = torch.distributed
-    backend = str(dist.get_backend(group)).lower() if dist.is_available() and dist.is_initialized() else None
-    accelerator = getattr(torch, "accelerator", None)
-    if backend == "gloo" or accelerator is None or not accelerator.is_available():
-        return torch.device("cpu")
-    return torch.device(accelerator.current_accelerator().type, accelerator.current_device_index())
-
-
-def all_max(values: list[float], group=None) -> list[float]:
-    """The element-wise maximum of ``values`` over every rank of ``group`` (default: the world), on its device."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
-        return values
-    flag = torch.tensor(values, device=collective_device(group), dtype=torch.float64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return flag.tolist()
 
 
 def worst_element(pairs: dict, rtol: float, atol: float) -> tuple[bool, str, float, float]:

@@ -129,10 +129,11 @@ def test_v1_loss_is_called_with_the_groups_device_not_the_global_rank(monkeypatc
     pytest.importorskip("llamafactory.v1")
     from types import SimpleNamespace
 
+    from llamafactory_liger_fsdp import collective
     from llamafactory_liger_fsdp.integration.v1 import ulysses
 
     sp = SimpleNamespace(dist=torch.distributed)
-    monkeypatch.setattr(guard, "collective_device", lambda group=None: torch.device("cpu"))
+    monkeypatch.setattr(collective, "collective_device", lambda group=None: torch.device("cpu"))
     with ulysses.rank_as_device(sp):
         assert sp.dist.get_rank() == torch.device("cpu") and sp.dist.ReduceOp is torch.distributed.ReduceOp
     assert sp.dist is torch.distributed

@@ -152,10 +152,10 @@ class _GroupDevice:
 def rank_as_device(sp: Any):
     """For its duration v1's ``sequence_parallel_loss`` moves its inputs to the process group's device, not to
     ``cuda:{global rank}`` (which does not exist on a second node)."""
-    from ... import guard
+    from ... import collective
 
     before = sp.dist
-    sp.dist = _GroupDevice(before, guard.collective_device())
+    sp.dist = _GroupDevice(before, collective.collective_device())
     try:
         yield
     finally:
