@@ -361,6 +361,31 @@ def plot(all_rows, out) -> None:
         print(f"charts: {prefix}_longest.png {prefix}_tokens.png")
 
 
+def plot_small(rows, out, cutoff=16384) -> None:
+    """Per card, beside --out: <card>_depth_small.png, the small models' tokens/s and peak GiB at ``cutoff`` by model
+    and variant (medians of the runs)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    for gpu in sorted({card_name(r) for r in rows}):
+        at = [r for r in rows if card_name(r) == gpu and r["cutoff"] == cutoff]
+        models = [m for m in TITLES if any(r["model"] == m for r in at)]
+        variants = [v for v in VARIANTS if any(r["variant"] == v for r in at)]
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        for ax, key in zip(axes, ("tokens_per_s", "peak_gib")):
+            for j, v in enumerate(variants):
+                ax.bar([i + (j - len(variants) / 2 + 0.5) * 0.2 for i in range(len(models))], [median_of(
+                    [r for r in at if r["model"] == m], key, "fsdp2", v, cutoff) or 0 for m in models], 0.2,
+                    color=COLORS[v], label=v)
+            ax.set_xticks(range(len(models)), [TITLES[m] for m in models], fontsize=8)
+            ax.set_ylabel({"tokens_per_s": "tokens/s (median of steps 2..n)", "peak_gib": "peak GiB"}[key])
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"{short(cutoff)} tokens a step, LoRA r16 all + embed/head copies, FSDP2, bf16, one {gpu}")
+        fig.tight_layout()
+        fig.savefig(os.path.join(os.path.dirname(os.path.abspath(out)), f"{card_key(at[0]['card'])}_depth_small.png"))
+        plt.close(fig)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("part", choices=["sft", "dpo", "vlm", "table", "build-vlm"])
@@ -391,7 +416,7 @@ def main():
         for part in ("sft", "dpo", "vlm"):
             report(mine(rows, part, args.smoke), part)
         if args.plot:
-            plot(mine(rows, "sft", args.smoke), out)
+            (plot_small if "_small" in out else plot)(mine(rows, "sft", args.smoke), out)
         return
     args.variants = args.variants or ("plain,liger,plugin,plugin+liger" if args.part == "sft" else "plain,plugin")
     args.cutoffs = args.cutoffs or ("128" if args.smoke else DEFAULT_CUTOFFS[args.part])

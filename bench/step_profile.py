@@ -16,27 +16,20 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 
 
 class Compiles:
-    """The Triton JIT compiles of a process (kernel name, seconds), through Triton's jit cache / post-compile hooks:
-    a kernel compiled in a later step (a new specialization: another row count's divisibility or alignment) stalls
-    that step. ``take()``: the compiles since the last take."""
+    """The Triton JIT compiles of a process ([kernel, seconds]) through Triton's jit cache / post-compile hooks: one in a
+    later step (a new specialization: another row count's divisibility or alignment) stalls it. ``take()``: since the
+    last take."""
 
     def __init__(self):
-        self.done, self._t0 = [], {}
+        import time
+        self.done, t0 = [], {}
         try:
             from triton import knobs
         except ImportError:  # no Triton: nothing compiles
             return
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
-
-    def _before(self, *, key, fn, **_):
-        import time
-        self._t0[fn.name, str(key)] = time.perf_counter()
-        return False  # compile it
-
-    def _after(self, *, key, fn, **_):
-        import time
-        t0 = self._t0.pop((fn.name, str(key)), None)
-        self.done.append([fn.name, round(time.perf_counter() - t0, 3) if t0 else None])
+        knobs.runtime.jit_cache_hook = lambda *, key, fn, **_: t0.__setitem__((fn.name, str(key)), time.perf_counter())
+        knobs.runtime.jit_post_compile_hook = lambda *, key, fn, **_: self.done.append(
+            [fn.name, round(time.perf_counter() - t0.pop((fn.name, str(key)), time.perf_counter()), 3)])
 
     def take(self) -> list:
         out, self.done = self.done, []
@@ -97,7 +90,7 @@ def summary(prof, wall_s: float, top: int = 12) -> dict:
     prof.__exit__(None, None, None)
     events = prof.events()
     ms, kernels = {"kernel": 0.0, "gather": 0.0, "head_rest": 0.0, "rest": 0.0}, {}
-    syncs, head_cpu = {"count": 0, "cpu_ms": 0.0}, 0.0
+    syncs, head_cpu, unlinked = {"count": 0, "cpu_ms": 0.0}, 0.0, {}  # unlinked: the GPU's time by kernel name
     for evt in events:
         if evt.device_type != DeviceType.CPU or evt.is_async:
             continue
@@ -109,20 +102,15 @@ def summary(prof, wall_s: float, top: int = 12) -> dict:
             syncs["cpu_ms"] += evt.cpu_time_total / 1e3
         for k in evt.kernels:
             ms[where or "rest"] += k.duration / 1e3
+            unlinked[k.name[:90]] = unlinked.get(k.name[:90], 0.0) - k.duration / 1e3
             if where:
                 kernels[where, k.name[:90]] = kernels.get((where, k.name[:90]), 0.0) + k.duration / 1e3
     busy, end = 0.0, float("-inf")  # the union of the GPU's intervals
     for s, e in sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA):
         busy, end = busy + max(0.0, e - max(s, end)), max(end, e)
     busy_ms = busy / 1e3
-    unlinked = {}  # the GPU's events by name, less what the host ops above claimed
-    for e in events:
-        if e.device_type == DeviceType.CUDA:
-            unlinked[e.name[:90]] = unlinked.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start) / 1e3
-    for evt in events:
-        if evt.device_type == DeviceType.CPU and not evt.is_async:
-            for k in evt.kernels:
-                unlinked[k.name[:90]] = unlinked.get(k.name[:90], 0.0) - k.duration / 1e3
+    for e in (e for e in events if e.device_type == DeviceType.CUDA):  # less what the host ops claimed (above)
+        unlinked[e.name[:90]] = unlinked.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start) / 1e3
     return dict(step_ms=round(wall_s * 1e3, 2), gpu_busy_ms=round(busy_ms, 2),
                 gpu_idle_ms=round(wall_s * 1e3 - busy_ms, 2), **{f"{k}_ms": round(v, 3) for k, v in ms.items()},
                 plugin_ms=round(ms["kernel"] + ms["gather"] + ms["head_rest"], 3), head_syncs=syncs,
