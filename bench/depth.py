@@ -364,9 +364,7 @@ def plot(all_rows, out) -> None:
 def plot_small(rows, out, cutoff=16384) -> None:
     """Per card, beside --out: <card>_depth_small.png, the small models' tokens/s and peak GiB at ``cutoff`` by model
     and variant (medians of the runs)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # (headless, matplotlib picks Agg itself: savefig needs no display)
     for gpu in sorted({card_name(r) for r in rows}):
         at = [r for r in rows if card_name(r) == gpu and r["cutoff"] == cutoff]
         models = [m for m in TITLES if any(r["model"] == m for r in at)]
@@ -401,7 +399,7 @@ def main():
     ap.add_argument("--steps", type=int, default=None, help="default 5 (dpo / vlm 6, smoke 3)")
     ap.add_argument("--deadline", type=float, default=None, help="seconds from the start; no run starts past it")
     ap.add_argument("--out", default=None, help="the rows' JSON (default bench/results/{card}_depth.json, --model "
-                    "other than llama3-8b {card}_depth_small.json; smoke: temp)")
+                    "other than llama3-8b {card}_depth_small.json, as {small} in --out does; smoke: temp)")
     ap.add_argument("--work", default=None, help="default /tmp/real_size (smoke: /tmp/depth_smoke)")
     ap.add_argument("--plot", action="store_true", help="table: also draw sft's charts beside --out")
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing check on tiny local models")
@@ -411,6 +409,7 @@ def main():
     out = args.out or (os.path.join(tempfile.gettempdir(), "depth_smoke.json") if args.smoke else
                        os.path.join(ROOT, "bench", "results", "{card}_depth" + "_small" * (args.model != "llama3-8b")
                                     + ".json"))  # the small models' rows apart: figures read the Llama rows
+    out = out.replace("{small}", "_small" * (args.model != "llama3-8b"))
     if args.part == "table":
         rows = load_rows(out)
         for part in ("sft", "dpo", "vlm"):

@@ -68,7 +68,9 @@ case "${1:-}" in
     esac
     IFS=';' read -ra sets <<< "$sets"
     for args in "${sets[@]:-}"; do  # one call of the script per set, each with the time that is left
-      timeout $((LIMIT - SECONDS)) python3 "bench/$script.py" $base $args --out "$OUT/{card}_$1.json" --work $work \
+      out="$OUT/{card}_$1.json"  # depth: a small model's rows to {card}_depth_small.json (depth.py's {small})
+      [ "$1" != depth ] || out="$OUT/{card}_depth{small}.json"
+      timeout $((LIMIT - SECONDS)) python3 "bench/$script.py" $base $args --out "$out" --work $work \
         --deadline $((LIMIT - 15 - SECONDS)) 2>&1 | tee -a "$OUT/$1.log"
     done
     failed_logs $work

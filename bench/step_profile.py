@@ -105,11 +105,12 @@ def summary(prof, wall_s: float, top: int = 12) -> dict:
             unlinked[k.name[:90]] = unlinked.get(k.name[:90], 0.0) - k.duration / 1e3
             if where:
                 kernels[where, k.name[:90]] = kernels.get((where, k.name[:90]), 0.0) + k.duration / 1e3
+    gpu = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]  # not the ranges' spans
     busy, end = 0.0, float("-inf")  # the union of the GPU's intervals
-    for s, e in sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA):
+    for s, e in sorted((e.time_range.start, e.time_range.end) for e in gpu):
         busy, end = busy + max(0.0, e - max(s, end)), max(end, e)
     busy_ms = busy / 1e3
-    for e in (e for e in events if e.device_type == DeviceType.CUDA):  # less what the host ops claimed (above)
+    for e in gpu:  # less what the host ops claimed (above)
         unlinked[e.name[:90]] = unlinked.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start) / 1e3
     return dict(step_ms=round(wall_s * 1e3, 2), gpu_busy_ms=round(busy_ms, 2),
                 gpu_idle_ms=round(wall_s * 1e3 - busy_ms, 2), **{f"{k}_ms": round(v, 3) for k, v in ms.items()},
