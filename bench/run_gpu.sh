@@ -21,7 +21,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@" || exit 1; }
 source_hash() {  # the package's files as the working tree has them (make_wheels.sh keeps the wheel's in .whl/PLUGIN_SOURCE)
-  find llamafactory_liger_fsdp -type f \( -name '*.py' -o -name '*.json' -o -name '*.pth' \) | sort | xargs sha256sum \
+  find llamafactory_liger_fsdp -type f \( -name '*.py' -o -name '*.json' -o -name '*.pth' \) | LC_ALL=C sort | xargs sha256sum \
     | sha256sum | cut -c1-16
 }
 install_stack() {  # the plugin's wheel pip-installed for real (its .pth hook must land in site-packages), then the rest
