@@ -42,4 +42,3 @@ def test_depth_dpo_vlm_smoke(tmp_path, part):
     assert "profile plugin 128 r1: step" in proc.stdout
     times = plugin["step_times"]  # 3 steps; step 2 profiled: tokens/s from step 3 alone
     assert plugin["step_s"] == times[2], times
-
