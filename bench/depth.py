@@ -407,9 +407,8 @@ def main():
     if args.part == "build-vlm":
         return build_vlm(args.work, args.smoke)
     out = args.out or (os.path.join(tempfile.gettempdir(), "depth_smoke.json") if args.smoke else
-                       os.path.join(ROOT, "bench", "results", "{card}_depth" + "_small" * (args.model != "llama3-8b")
-                                    + ".json"))  # the small models' rows apart: figures read the Llama rows
-    out = out.replace("{small}", "_small" * (args.model != "llama3-8b"))
+                       os.path.join(ROOT, "bench", "results", "{card}_depth{small}.json"))
+    out = out.replace("{small}", "_small" * (args.model != "llama3-8b"))  # small models apart: figures read Llama's
     if args.part == "table":
         rows = load_rows(out)
         for part in ("sft", "dpo", "vlm"):

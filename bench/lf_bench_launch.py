@@ -5,7 +5,8 @@
 
 Per step: wall time (device-synchronised), the Triton kernels it compiled, peak ``max_memory_allocated`` in and
 before it (step 1: the set-up); no model saved. LLaMA-Factory: rank 0 writes, with per-phase peaks, the unrounded
-losses (mean over ranks) and each rank's peak. v1: each rank writes (rank r > 0 to ``result.json.rank<r>``), with v1's step loss and tokens.
+losses (mean over ranks) and each rank's peak. v1: each rank writes (rank r > 0 to ``result.json.rank<r>``), with
+v1's step loss and tokens.
 Environment: ``LF_BENCH_TWIN=s`` (the CPU memory twin, llamafactory_liger_fsdp/testing/memory_twin.py);
 ``LF_BENCH_LIGER_LOSS_ONLY=1`` (CPU smoke: Liger's fused loss alone runs interpreted); ``LF_BENCH_PROFILE=k`` (step
 k's torch profile, bench/step_profile.py); ``LF_BENCH_LAYER_UNITS=1`` (v1: each decoder layer an FSDP2 unit, as git
