@@ -56,7 +56,7 @@ def card() -> str:
         line = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
     except (OSError, subprocess.TimeoutExpired):
         line = ""
-    return line or "cpu"
+    return (line or "cpu") + (f", allocator capped at {os.environ[CAP_ENV]} GiB" if os.environ.get(CAP_ENV) else "")
 
 
 def card_key(name: str) -> str:
@@ -176,21 +176,17 @@ def filling_words(cutoff: int) -> int:
     return int(cutoff / 1.3)
 
 
-def _depth_name(spec: str) -> str:
-    return f"{spec}-L{DEPTH_LAYERS[spec]}"
-
-
 def _depth_build(work: str, spec: str) -> str:
     """WORK/<spec>-L<layers>: ``MODELS[spec]`` at its real depth (``DEPTH_LAYERS``), positions to 128k, with six 128k
     packs of data (made once: :func:`build` returns at once when it exists)."""
-    return build(work, _depth_name(spec), MODELS[spec], DEPTH_LAYERS[spec], rows=1400,
+    return build(work, f"{spec}-L{DEPTH_LAYERS[spec]}", MODELS[spec], DEPTH_LAYERS[spec], rows=1400,
                  answer_words=(300, 500), max_position=131072, seed=0)
 
 
 def build_depth_model(work: str, spec: str = "llama3-8b") -> str:
     """:func:`_depth_build`'s directory, built in a process of its own (the caller then holds no CUDA context: half
     a GiB the runs would lack)."""
-    mdir = os.path.join(work, _depth_name(spec))
+    mdir = os.path.join(work, f"{spec}-L{DEPTH_LAYERS[spec]}")  # _depth_build's
     if not os.path.exists(os.path.join(mdir, "model", "config.json")):
         t0 = time.monotonic()
         subprocess.run([sys.executable, os.path.abspath(__file__), work, spec], check=True)
@@ -364,6 +360,7 @@ class StepClock:
 # op for op; on the CPU every allocation can be seen, so its peak x s^2 predicts the GPU's (bench/RESULTS.md 12).
 # Here: the launch side and tables; in the training process: llamafactory_liger_fsdp/testing/memory_twin.py.
 TWIN_ENV = "LF_BENCH_TWIN"  # the twin's s, in a launched run's environment
+CAP_ENV = "LF_BENCH_CARD_GIB"  # a launched run's allocator held to this many GiB (an 80 GB card's on a larger one)
 LAYER_UNITS_ENV = "LF_BENCH_LAYER_UNITS"  # "1": a launched v1 run wraps each decoder layer (bench/lf_bench_launch.py v1)
 
 

@@ -362,8 +362,7 @@ def plot(all_rows, out) -> None:
 
 
 def plot_small(rows, out, cutoff=16384) -> None:
-    """Per card, beside --out: <card>_depth_small.png, the small models' tokens/s and peak GiB at ``cutoff`` by model
-    and variant (medians of the runs)."""
+    """Per card, beside --out: <card>_depth_small.png, the small models' tokens/s and peak GiB at ``cutoff`` (medians)."""
     import matplotlib.pyplot as plt  # (headless, matplotlib picks Agg itself: savefig needs no display)
     for gpu in sorted({card_name(r) for r in rows}):
         at = [r for r in rows if card_name(r) == gpu and r["cutoff"] == cutoff]

@@ -9,8 +9,8 @@ losses (mean over ranks) and each rank's peak. v1: each rank writes (rank r > 0 
 v1's step loss and tokens.
 Environment: ``LF_BENCH_TWIN=s`` (the CPU memory twin, llamafactory_liger_fsdp/testing/memory_twin.py);
 ``LF_BENCH_LIGER_LOSS_ONLY=1`` (CPU smoke: Liger's fused loss alone runs interpreted); ``LF_BENCH_PROFILE=k`` (step
-k's torch profile, bench/step_profile.py); ``LF_BENCH_LAYER_UNITS=1`` (v1: each decoder layer an FSDP2 unit, as git
-main wraps it)."""
+k's torch profile, bench/step_profile.py); ``LF_BENCH_CARD_GIB=g`` (the allocator held to g GiB: an 80 GB card's
+on a larger one); ``LF_BENCH_LAYER_UNITS=1`` (v1: each decoder layer an FSDP2 unit, as git main wraps it)."""
 
 import contextlib
 import gc
@@ -24,7 +24,7 @@ from torch.autograd.profiler import record_function
 from transformers import TrainerCallback
 
 import step_profile
-from common import LAYER_UNITS_ENV, TWIN_ENV, StepClock, peak_mib
+from common import CAP_ENV, LAYER_UNITS_ENV, TWIN_ENV, StepClock, peak_mib
 from llamafactory_liger_fsdp.testing.memory_twin import AllocationTimeline, twin_peaks, twin_setup
 
 PHASES: dict = {}  # forward / backward peaks of the current step (see timed_backward)
@@ -216,6 +216,9 @@ def run_v1(command: str, cfg_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get(CAP_ENV):  # an 80 GB card's allocator on a larger card (common.card() names the cap)
+        dev = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_per_process_memory_fraction(float(os.environ[CAP_ENV]) * 2**30 / torch.cuda.mem_get_info(dev)[1], dev)
     if sys.argv[1] == "v1":
         run_v1(*sys.argv[2:5])
     else:
