@@ -26,7 +26,10 @@ def test_profile_counts_kernels_not_the_ranges_spans():
                   kernels=[NS(name=k, duration=d) for k, d in kernels], is_user_annotation=False)
 
     head = cpu("liger_fsdp.head", [], cpu_us=3000)
+    scan = cpu("aten::copy_", [], cpu("liger_fsdp.kernel", [], head))  # the labels' .tolist(): the head's wait
     events = [cpu("## step", []), head, cpu("aten::mm", [("gemm", 4000)], cpu("liger_fsdp.kernel", [], head)),
+              cpu("cudaMemcpyAsync", [], scan, cpu_us=2500), cpu("cudaMemcpyAsync", [], scan, cpu_us=20),
+              cpu("cudaStreamSynchronize", [], scan, cpu_us=10), cpu("cudaMemcpyAsync", [], cpu_us=900),
               cpu("aten::mul", [("mul", 1000)]), gpu("## step", 0, 20000, annotation=True), gpu("gemm", 1000, 5000),
               gpu("mul", 6000, 7000), gpu("stray", 8000, 10000)]
     prof = NS(__exit__=lambda *a: None, events=lambda: events)
@@ -34,3 +37,4 @@ def test_profile_counts_kernels_not_the_ranges_spans():
     assert (p["kernel_ms"], p["rest_ms"], p["gpu_busy_ms"], p["gpu_idle_ms"]) == (4.0, 1.0, 7.0, 13.0), p
     assert p["unlinked_ms"] == 2.0 and p["unlinked_top"] == [{"kernel": "stray", "ms": 2.0}], p
     assert p["head_cpu_ms"] == 3.0 and p["plugin_ms"] == 4.0
+    assert p["head_syncs"] == {"count": 2, "cpu_ms": 2.51}, p  # the blocked copy and the sync, not a quick copy
