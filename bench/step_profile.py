@@ -13,7 +13,7 @@ import os
 SCOPES = {"liger_fsdp.kernel": "kernel", "liger_fsdp.gather": "gather", "liger_fsdp.head": "head_rest"}
 BACKWARD = "FLCEBackward"  # the ops' autograd Functions: _FastFLCE, _LeanFLCE, _StoredDzFLCE, _TorchFLCE
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")  # + a memcpy that blocked (> 50 us:
-BLOCKED_COPY_US = 50  # a D2H copy to pageable memory, .tolist(), returns when the GPU has run all before it)
+COPY = "cudaMemcpyAsync"  # a D2H copy to pageable memory, .tolist(), returns when the GPU has run all before it)
 
 
 class Compiles:
@@ -98,7 +98,7 @@ def summary(prof, wall_s: float, top: int = 12) -> dict:
         where = bucket(evt)
         if evt.name == "liger_fsdp.head" and bucket(evt.cpu_parent) is None:  # outermost: the host's time in the path
             head_cpu += evt.cpu_time_total / 1e3
-        if where and (evt.name.startswith(SYNCS) or evt.name == "cudaMemcpyAsync" and evt.cpu_time_total > BLOCKED_COPY_US):
+        if where and (evt.name.startswith(SYNCS) or evt.name == COPY and evt.cpu_time_total > 50):
             syncs["count"] += 1
             syncs["cpu_ms"] += evt.cpu_time_total / 1e3
         for k in evt.kernels:
