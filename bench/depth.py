@@ -293,8 +293,7 @@ COLORS = {"plain": "tab:gray", "liger": "tab:orange", "plugin": "tab:blue", "plu
 
 
 def plot(all_rows, out) -> None:
-    """sft's charts per card and model beside --out: <card>_depth[_<model>]_longest.png, ..._tokens.png (no model
-    part for Llama-3-8B)."""
+    """sft's charts per card and model beside --out: <card>_depth[_<model>]_longest.png, ..._tokens.png (Llama: none)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -413,7 +412,8 @@ def main():
         for part in ("sft", "dpo", "vlm"):
             report(mine(rows, part, args.smoke), part)
         if args.plot:
-            (plot_small if "_small" in out else plot)(mine(rows, "sft", args.smoke), out)
+            for draw in (plot_small, plot) if "_small" in out else (plot,):  # small: also each model's charts
+                draw(mine(rows, "sft", args.smoke), out)
         return
     args.variants = args.variants or ("plain,liger,plugin,plugin+liger" if args.part == "sft" else "plain,plugin")
     args.cutoffs = args.cutoffs or ("128" if args.smoke else DEFAULT_CUTOFFS[args.part])
