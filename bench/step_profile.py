@@ -1,9 +1,8 @@
-"""One training step under the torch profiler (``LF_BENCH_PROFILE=k`` in a bench/lf_bench_launch.py run: step k), its
-GPU time split by who launched it: ``kernel`` (the fused loss, forward and its autograd backward), ``gather`` (the
-head's weights through its FSDP unit), ``head_rest`` (the rest of ``HeadLoss.loss`` / ``token_logps``), ``rest``
-(everything else); beside them the step's wall time, the GPU's busy and idle time, and the host syncs and host time
-of the plugin's head path; the GPU time no host op claims (``unlinked_ms``, its top kernels). Plain and Liger runs get
-the same totals (no plugin ranges). :class:`Compiles`: the Triton kernels each step compiled (every run)."""
+"""One training step under the torch profiler (``LF_BENCH_PROFILE=k`` in a bench/lf_bench_launch.py run: step k): its
+GPU time by who launched it -- ``kernel`` (the fused loss, forward and backward), ``gather`` (the head's weights through
+its FSDP unit), ``head_rest`` (the rest of ``HeadLoss.loss`` / ``token_logps``), ``rest`` --; the step's wall time, the
+GPU's busy / idle time, the head path's host syncs, host time and host ops (``head_host_top``), the GPU time no host op
+claims (``unlinked_ms``). Plain and Liger runs get the same totals. :class:`Compiles`: each step's Triton compiles."""
 
 from __future__ import annotations
 
@@ -17,9 +16,8 @@ COPY = "cudaMemcpyAsync"  # a D2H copy to pageable memory, .tolist(), returns wh
 
 
 class Compiles:
-    """The Triton JIT compiles of a process ([kernel, seconds]) through Triton's jit cache / post-compile hooks: one in a
-    later step (a new specialization: another row count's divisibility or alignment) stalls it. ``take()``: since the
-    last take."""
+    """A process's Triton JIT compiles ([kernel, seconds]; Triton's jit cache / post-compile hooks): one in a later step
+    (a new specialization: another row count's divisibility or alignment) stalls it. ``take()``: since the last take."""
 
     def __init__(self):
         import time
@@ -91,16 +89,17 @@ def summary(prof, wall_s: float, top: int = 12) -> dict:
     prof.__exit__(None, None, None)
     events = prof.events()
     ms, kernels = {"kernel": 0.0, "gather": 0.0, "head_rest": 0.0, "rest": 0.0}, {}
-    syncs, head_cpu, unlinked = {"count": 0, "cpu_ms": 0.0}, 0.0, {}  # unlinked: the GPU's time by kernel name
+    syncs, head_cpu, unlinked, host = {"count": 0, "cpu_ms": 0.0}, 0.0, {}, {}  # unlinked: GPU time by kernel name
     for evt in events:
         if evt.device_type != DeviceType.CPU or evt.is_async:
             continue
         where = bucket(evt)
         if evt.name == "liger_fsdp.head" and bucket(evt.cpu_parent) is None:  # outermost: the host's time in the path
             head_cpu += evt.cpu_time_total / 1e3
+        if where:  # the plugin's host ops by their own time (where the head path's host time goes)
+            host[evt.name] = host.get(evt.name, 0.0) + evt.self_cpu_time_total / 1e3
         if where and (evt.name.startswith(SYNCS) or evt.name == COPY and evt.cpu_time_total > 50):
-            syncs["count"] += 1
-            syncs["cpu_ms"] += evt.cpu_time_total / 1e3
+            syncs.update(count=syncs["count"] + 1, cpu_ms=syncs["cpu_ms"] + evt.cpu_time_total / 1e3)
         for k in evt.kernels:
             ms[where or "rest"] += k.duration / 1e3
             unlinked[k.name[:90]] = unlinked.get(k.name[:90], 0.0) - k.duration / 1e3
@@ -113,14 +112,15 @@ def summary(prof, wall_s: float, top: int = 12) -> dict:
     busy_ms = busy / 1e3
     for e in gpu:  # less what the host ops claimed (above)
         unlinked[e.name[:90]] = unlinked.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+    def ranked(d: dict, n: int = top) -> list:
+        return sorted(d.items(), key=lambda kv: -kv[1])[:n]
     return dict(step_ms=round(wall_s * 1e3, 2), gpu_busy_ms=round(busy_ms, 2),
                 gpu_idle_ms=round(wall_s * 1e3 - busy_ms, 2), **{f"{k}_ms": round(v, 3) for k, v in ms.items()},
                 plugin_ms=round(ms["kernel"] + ms["gather"] + ms["head_rest"], 3), head_syncs=syncs,
-                head_cpu_ms=round(head_cpu, 3), unlinked_ms=round(sum(v for v in unlinked.values() if v > 0), 3),
-                unlinked_top=[dict(kernel=n, ms=round(v, 3)) for n, v in sorted(unlinked.items(), key=lambda kv: -kv[1])
-                              [:top] if v > 0.01],
-                top=[dict(bucket=b, kernel=n, ms=round(v, 3))
-                     for (b, n), v in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]])
+                head_cpu_ms=round(head_cpu, 3), head_host_top=[dict(op=n, ms=round(v, 3)) for n, v in ranked(host, 8)],
+                unlinked_ms=round(sum(v for v in unlinked.values() if v > 0), 3),
+                unlinked_top=[dict(kernel=n, ms=round(v, 3)) for n, v in ranked(unlinked) if v > 0.01],
+                top=[dict(bucket=b, kernel=n, ms=round(v, 3)) for (b, n), v in ranked(kernels)])
 
 
 def profile_line(p: dict) -> str:

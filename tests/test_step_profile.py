@@ -23,6 +23,7 @@ def test_profile_counts_kernels_not_the_ranges_spans():
 
     def cpu(name, kernels, parent=None, cpu_us=0):
         return NS(device_type=DeviceType.CPU, is_async=False, name=name, cpu_parent=parent, cpu_time_total=cpu_us,
+                  self_cpu_time_total=cpu_us,
                   kernels=[NS(name=k, duration=d) for k, d in kernels], is_user_annotation=False)
 
     head = cpu("liger_fsdp.head", [], cpu_us=3000)
@@ -38,3 +39,4 @@ def test_profile_counts_kernels_not_the_ranges_spans():
     assert p["unlinked_ms"] == 2.0 and p["unlinked_top"] == [{"kernel": "stray", "ms": 2.0}], p
     assert p["head_cpu_ms"] == 3.0 and p["plugin_ms"] == 4.0
     assert p["head_syncs"] == {"count": 2, "cpu_ms": 2.51}, p  # the blocked copy and the sync, not a quick copy
+    assert p["head_host_top"][:2] == [{"op": "liger_fsdp.head", "ms": 3.0}, {"op": "cudaMemcpyAsync", "ms": 2.52}], p
