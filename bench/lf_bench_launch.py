@@ -216,9 +216,9 @@ def run_v1(command: str, cfg_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get(CAP_ENV):  # an 80 GB card's allocator on a larger card (common.card() names the cap)
+    if cap := float(os.environ.get(CAP_ENV) or 0):  # an 80 GB card's allocator on a larger card (common.card() says so)
         dev = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_per_process_memory_fraction(float(os.environ[CAP_ENV]) * 2**30 / torch.cuda.mem_get_info(dev)[1], dev)
+        torch.cuda.set_per_process_memory_fraction(cap * 2**30 / torch.cuda.mem_get_info(dev)[1], dev)
     if sys.argv[1] == "v1":
         run_v1(*sys.argv[2:5])
     else:

@@ -11,8 +11,8 @@ import os
 
 SCOPES = {"liger_fsdp.kernel": "kernel", "liger_fsdp.gather": "gather", "liger_fsdp.head": "head_rest"}
 BACKWARD = "FLCEBackward"  # the ops' autograd Functions: _FastFLCE, _LeanFLCE, _StoredDzFLCE, _TorchFLCE
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")  # + a memcpy that blocked (> 50 us:
-COPY = "cudaMemcpyAsync"  # a D2H copy to pageable memory, .tolist(), returns when the GPU has run all before it)
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+COPY = "cudaMemcpyAsync"  # a sync too where it blocked > 50 us: .tolist()'s D2H copy to pageable memory waits
 
 
 class Compiles:
@@ -112,7 +112,7 @@ def summary(prof, wall_s: float, top: int = 12) -> dict:
     busy_ms = busy / 1e3
     for e in gpu:  # less what the host ops claimed (above)
         unlinked[e.name[:90]] = unlinked.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start) / 1e3
-    def ranked(d: dict, n: int = top) -> list:
+    def ranked(d: dict, n: int = top) -> list:  # the largest first
         return sorted(d.items(), key=lambda kv: -kv[1])[:n]
     return dict(step_ms=round(wall_s * 1e3, 2), gpu_busy_ms=round(busy_ms, 2),
                 gpu_idle_ms=round(wall_s * 1e3 - busy_ms, 2), **{f"{k}_ms": round(v, 3) for k, v in ms.items()},
