@@ -1,6 +1,6 @@
 """What the bench scripts share (imported as ``common``; no torch at import time): row fields and files, the
 package's CPU shims, LLaMA-Factory runs (``run`` -> one row), the CPU memory twin's launch side and tables (``twin_*``).
-``python bench/common.py WORK SPEC``: :func:`build_depth_model`'s build, in a process of its own."""
+``python bench/common.py WORK SPEC NAME``: :func:`build_depth_model`'s build, in a process of its own."""
 
 from __future__ import annotations
 
@@ -176,20 +176,20 @@ def filling_words(cutoff: int) -> int:
     return int(cutoff / 1.3)
 
 
-def _depth_build(work: str, spec: str) -> str:
-    """WORK/<spec>-L<layers>: ``MODELS[spec]`` at its real depth (``DEPTH_LAYERS``), positions to 128k, with six 128k
-    packs of data (made once: :func:`build` returns at once when it exists)."""
-    return build(work, f"{spec}-L{DEPTH_LAYERS[spec]}", MODELS[spec], DEPTH_LAYERS[spec], rows=1400,
+def _depth_build(work: str, spec: str, name: str) -> str:
+    """WORK/NAME: ``MODELS[spec]`` at its real depth (``DEPTH_LAYERS``), positions to 128k, with six 128k packs of data
+    (made once: :func:`build` returns at once when it exists)."""
+    return build(work, name, MODELS[spec], DEPTH_LAYERS[spec], rows=1400,
                  answer_words=(300, 500), max_position=131072, seed=0)
 
 
 def build_depth_model(work: str, spec: str = "llama3-8b") -> str:
     """:func:`_depth_build`'s directory, built in a process of its own (the caller then holds no CUDA context: half
     a GiB the runs would lack)."""
-    mdir = os.path.join(work, f"{spec}-L{DEPTH_LAYERS[spec]}")  # _depth_build's
+    mdir = os.path.join(work, name := f"{spec}-L{DEPTH_LAYERS[spec]}")  # the one place the name is formed
     if not os.path.exists(os.path.join(mdir, "model", "config.json")):
         t0 = time.monotonic()
-        subprocess.run([sys.executable, os.path.abspath(__file__), work, spec], check=True)
+        subprocess.run([sys.executable, os.path.abspath(__file__), work, spec, name], check=True)
         print(f"[bench] built {mdir} in {time.monotonic() - t0:.0f} s", flush=True)
     return mdir
 
@@ -386,4 +386,4 @@ def twin_lines(groups: list, top: int = 14) -> list:
 
 
 if __name__ == "__main__":  # build_depth_model's process
-    print(_depth_build(*sys.argv[1:3]))
+    print(_depth_build(*sys.argv[1:4]))
